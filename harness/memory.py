@@ -1,0 +1,88 @@
+"""Memory of one point: its own peak, what it will need, and what the device has free.
+
+CPU: torch keeps no allocator statistics, and ru_maxrss is a lifetime peak that cannot be reset. The
+runner therefore runs each point in a fresh process (harness.isolation) and, inside it, resets the
+kernel's resident-set high-water mark (VmHWM, via /proc/self/clear_refs) once the runtime is loaded,
+so the recorded peak is what the point itself added on top of Python and torch.
+CUDA: the caching allocator's peaks, reset per point.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from harness import analytic
+
+GIB = 2**30
+_STATUS_FIELD = re.compile(r"^(Vm\w+):\s+(\d+) kB$", re.MULTILINE)
+
+
+def _proc_status() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {name: int(kb) * 1024 for name, kb in _STATUS_FIELD.findall(f.read())}
+
+
+@dataclass
+class PeakTracker:
+    """Peak memory of the work done between `start()` and `read()` on one device."""
+
+    device: torch.device
+    baseline_bytes: int = 0  # CPU: resident set before the point allocated anything
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.baseline_bytes = _proc_status()["VmRSS"]
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+        except OSError:
+            pass  # the process is fresh anyway; the peak then includes the runtime's own start-up
+
+    def read(self) -> dict[str, int | None]:
+        """peak_memory_bytes: bytes the point held at its peak (CPU: resident set above the baseline;
+        CUDA: allocated tensors). peak_memory_reserved_bytes: CUDA allocator's reserve, None on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device),
+                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                "process_baseline_bytes": None,
+            }
+        return {
+            "peak_memory_bytes": _proc_status()["VmHWM"] - self.baseline_bytes,
+            "peak_memory_reserved_bytes": None,
+            "process_baseline_bytes": self.baseline_bytes,
+        }
+
+
+def available_bytes(device: str) -> int:
+    """Memory a new point can still take: MemAvailable on a CPU, free device memory on CUDA."""
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def required_bytes(shape, dtype: str, strategy_caches_kv: bool, batch: int, ctx: int, decode_tokens: int) -> int:
+    """A conservative estimate of a point's peak: weights, cache, and the largest transient tensors.
+
+    Transients: the no-cache forward pass over the whole sequence holds one layer's activations for
+    B*S tokens (residual, q/k/v, the two MLP branches) plus one head's worth of attention scores per
+    KV group; a cached step holds the same for one token. Logits are batch * vocab.
+    """
+    elem = analytic.dtype_bytes(dtype)
+    seq = ctx + decode_tokens
+    tokens = batch * (seq if not strategy_caches_kv else ctx)  # prefill processes the prompt at once
+    hd = shape.resolved_head_dim
+    activations = tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
+    scores = batch * shape.n_heads * ctx * seq * elem  # math attention over the prompt (prefill or recompute)
+    cache = analytic.kv_cache_bytes(shape, dtype, batch, seq) if strategy_caches_kv else 0
+    logits = batch * shape.vocab_size * 4
+    return analytic.weight_bytes(shape, dtype) + cache + activations + scores + logits

@@ -1,0 +1,118 @@
+"""The interface between the decoder and a decode strategy.
+
+Two objects per strategy:
+- a `LayerCache` per layer: `attend(q, k, v, start_pos)` receives the new tokens' roped queries, keys
+  and values and returns their attention output over every token so far. What it keeps between calls
+  (nothing, a preallocated table, a kernel-managed table) is the strategy.
+- a `DecodeSession` per point: prefill a prompt, then one `step` per generated token. It owns the layer
+  caches and knows the sequence length; `rewind` returns to an earlier length, so warm-up steps can be
+  repeated at the first decode position without changing the tokens a point generates.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol, Sequence
+
+import torch
+
+
+class StrategyUnavailable(Exception):
+    """This strategy cannot run on this device/dtype/installation. The message is the reason."""
+
+
+class LayerCache(Protocol):
+    """Per-layer cache. Caching strategies also expose `k`, `v` (their tables), `seq_dim` (the
+    position axis of those tables) and `nbytes` (bytes allocated)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """q [B, T, H, D], k/v [B, T, n_kv, D] at positions start_pos.. -> output [B, T, H, D].
+
+        Causal: the query at position start_pos + t sees keys 0 .. start_pos + t.
+        """
+        ...
+
+
+class DecodeSession(ABC):
+    """Prefill and step through one batch of sequences of at most `max_len` tokens."""
+
+    length: int  # tokens of each sequence processed so far (prompt + fed generated tokens)
+
+    @abstractmethod
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt [B, P] token ids -> logits [B, vocab] of the last prompt position."""
+
+    @abstractmethod
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """token [B], the token at position `length` -> logits [B, vocab] for the next position."""
+
+    def rewind(self, length: int) -> None:
+        """Forget every token at position >= length (their cache entries are overwritten later)."""
+        if not 0 < length <= self.length:
+            raise ValueError(f"cannot rewind to {length} from {self.length}")
+        self.length = length
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of cache storage this session allocated (0 when nothing is cached)."""
+        return 0
+
+    def fill_random(self, length: int, generator: torch.Generator) -> None:
+        """Stand in for a prefill of `length` tokens without running it (prefill=random)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no cache to fill")
+
+
+class CachedSession(DecodeSession):
+    """A session over per-layer caches: prefill fills them, each step feeds one token."""
+
+    def __init__(self, model, layer_caches: Sequence[LayerCache], max_len: int):
+        self.model = model
+        self.layer_caches = list(layer_caches)
+        self.rope = model.rotary_table(max_len)
+        self.max_len = max_len
+        self.length = 0
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        logits = self.model(prompt, 0, self.layer_caches, self.rope)
+        self.length = prompt.shape[1]
+        return logits
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        if self.length >= self.max_len:
+            raise ValueError(f"cache holds {self.max_len} tokens; cannot step past it")
+        logits = self.model(token[:, None], self.length, self.layer_caches, self.rope)
+        self.length += 1
+        return logits
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(cache.nbytes for cache in self.layer_caches)
+
+    def fill_random(self, length: int, generator: torch.Generator) -> None:
+        """Random K/V of the right shape and dtype in positions [0, length). A decode step's time does
+        not depend on the values it reads, so this measures long contexts without paying for the
+        prompt (which a CPU cannot afford at 8B width and 16k tokens)."""
+        for cache in self.layer_caches:
+            for table in (cache.k, cache.v):
+                table.narrow(cache.seq_dim, 0, length).normal_(generator=generator)
+        self.length = length
+
+
+class Strategy(ABC):
+    """A decode strategy: what it is called, which kernel it runs, and the sessions it makes."""
+
+    caches_kv: bool = True  # False only for the recompute-everything reference
+
+    def __init__(self, name: str, backend: str = "auto"):
+        self.name = name
+        self.backend = backend
+
+    @abstractmethod
+    def kernel(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Name of the attention kernel a session on this device/dtype will run.
+
+        Raises StrategyUnavailable with the reason when the strategy cannot run here.
+        """
+
+    @abstractmethod
+    def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
+        """A session for `batch` sequences of at most `max_len` tokens on the model's device/dtype."""
