@@ -13,7 +13,9 @@ import traceback
 from typing import Callable
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "harness.measure"])
+# harness.runner: a child re-imports the main module (harness.run), cheap only if what it imports is here.
+# torch._dynamo: initialising parameters on the meta device imports it (2 s), once per process otherwise.
+_CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "harness.measure", "harness.runner"])
 
 
 def _child(send, fn, arg) -> None:

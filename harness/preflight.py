@@ -62,7 +62,8 @@ def plan(argv: list[str], cuda_available) -> Plan:
         multirun = flag_multirun or str(base.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN")
         if sweeps and not multirun:
             raise ConfigError(sweeps[0].get_key_element(), "a list of values is a sweep: add -m (--multirun) to run each")
-        params = OmegaConf.to_container(base.hydra.sweeper.params or {}, resolve=False) if multirun else {}
+        sweep_params = base.hydra.sweeper.get("params") if multirun else None
+        params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
         expanded = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
         job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
         jobs = []

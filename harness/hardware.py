@@ -1,0 +1,164 @@
+"""Device roofs: datasheet configs (conf/hardware/*.yaml) and calibration records measured on the device.
+
+A roof is what the analytic model needs of a device for one dtype: peak FLOP/s and memory bandwidth
+(`harness.analytic.Roof`). Datasheet configs give them per dtype; `measured` reads them from the newest
+calibration record the runner wrote under `<results_dir>/_calibration/`, and says so when there is none
+rather than guessing. No torch, no Hydra: the report uses this on any machine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from harness.analytic import DTYPE_BYTES, Roof
+
+HARDWARE_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+CALIBRATION_DIR = "_calibration"  # under results_dir; '_' so pyarrow skips it when reading the folder
+
+# Substrings of torch.cuda.get_device_name() -> the datasheet config that describes that device.
+DATASHEET_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100_sxm", "A100": "a100_80g"}
+
+
+class HardwareError(ValueError):
+    """A hardware config or calibration cannot give a roof. The message is one line for the user."""
+
+
+@dataclass
+class Hardware:
+    """One device's roofs, from a datasheet or a calibration."""
+
+    name: str  # config name (h100_sxm, h200, a100_80g, measured)
+    bandwidth_Bps: Optional[float]  # memory read bandwidth, bytes/s; None until a calibration fills it
+    flops: dict = field(default_factory=dict)  # dtype name -> peak dense FLOP/s
+    source: str = ""  # where the figures come from (datasheet, calibration file path)
+    calibrated: bool = False  # True: figures come from a calibration record, not a datasheet
+
+    def roof(self, dtype: str) -> Roof:
+        if self.bandwidth_Bps is None:
+            raise HardwareError(f"hardware={self.name}: no bandwidth (no calibration record read)")
+        if dtype not in self.flops:
+            have = ", ".join(self.flops) or "none"
+            raise HardwareError(f"dtype: hardware={self.name} has no FLOP/s for '{dtype}', has: {have}")
+        return Roof(flops_per_s=float(self.flops[dtype]), bytes_per_s=float(self.bandwidth_Bps))
+
+
+@dataclass
+class CalibrationRecord:
+    """One calibration the runner measured: the roofs of one device in one dtype."""
+
+    path: Path  # the JSON file it was read from
+    device: str  # cpu | cuda
+    device_name: str  # e.g. 'NVIDIA H200' or the CPU model
+    dtype: str  # dtype the matmul was timed in
+    read_bandwidth_Bps: float  # bytes/s of a large read-dominated kernel
+    matmul_flops: float  # FLOP/s of a large matmul in `dtype`
+    timestamp: str  # ISO 8601, when it was measured; newest wins
+    method: str  # how it was measured, in words
+
+    def hardware(self) -> Hardware:
+        return Hardware(
+            name="measured",
+            bandwidth_Bps=self.read_bandwidth_Bps,
+            flops={self.dtype: self.matmul_flops},
+            source=f"calibration {self.path.name} ({self.device_name}, {self.timestamp})",
+            calibrated=True,
+        )
+
+
+def available_hardware() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def hardware_from_mapping(mapping) -> Hardware:
+    """A Hardware from a dict or DictConfig with the fields of conf/hardware/*.yaml."""
+    flops = {str(k): float(v) for k, v in dict(mapping.get("flops") or {}).items()}
+    bandwidth = mapping.get("bandwidth_Bps")
+    return Hardware(
+        name=str(mapping["name"]),
+        bandwidth_Bps=None if bandwidth is None else float(bandwidth),
+        flops=flops,
+        source=str(mapping.get("source", "")),
+        calibrated=bool(mapping.get("calibrated", False)),
+    )
+
+
+def load_hardware(name: str) -> Hardware:
+    """The config conf/hardware/<name>.yaml (for `measured`, figures still empty: see `resolve`)."""
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise HardwareError(f"hardware: unknown '{name}', allowed: {', '.join(available_hardware())}")
+    return hardware_from_mapping(yaml.safe_load(path.read_text()))
+
+
+def read_calibrations(results_dir) -> tuple[list[CalibrationRecord], list[tuple[Path, str]]]:
+    """Every calibration record under results_dir/_calibration, and the files that are not one (path, why)."""
+    records, problems = [], []
+    folder = Path(results_dir) / CALIBRATION_DIR
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            raw = json.loads(path.read_text())
+            records.append(
+                CalibrationRecord(
+                    path=path,
+                    device=str(raw["device"]),
+                    device_name=str(raw.get("device_name", "")),
+                    dtype=str(raw["dtype"]),
+                    read_bandwidth_Bps=float(raw["read_bandwidth_Bps"]),
+                    matmul_flops=float(raw["matmul_flops"]),
+                    timestamp=str(raw.get("timestamp", "")),
+                    method=str(raw.get("method", "")),
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problems.append((path, f"not a calibration record: {type(error).__name__}: {error}"))
+    return records, problems
+
+
+def find_calibration(
+    results_dir, dtype: str, device: Optional[str] = None, device_name: Optional[str] = None
+) -> Optional[CalibrationRecord]:
+    """The newest record for this dtype (and device / device name when given), or None."""
+    records, _ = read_calibrations(results_dir)
+    matches = [
+        r
+        for r in records
+        if r.dtype == dtype
+        and (device is None or r.device == device)
+        and (not device_name or not r.device_name or r.device_name == device_name)
+    ]
+    return max(matches, key=lambda r: r.timestamp) if matches else None
+
+
+def datasheet_for_device_name(device_name: str) -> Optional[str]:
+    """The datasheet config matching a CUDA device name, or None (CPUs have none)."""
+    for key, config in DATASHEET_BY_DEVICE_NAME.items():
+        if key.lower() in (device_name or "").lower():
+            return config
+    return None
+
+
+def resolve(
+    hardware: Hardware, dtype: str, results_dir=None, device: Optional[str] = None
+) -> tuple[Roof, str]:
+    """The roof for `dtype` and a line saying where it came from.
+
+    `measured` reads the newest calibration record under results_dir; without one it raises a
+    HardwareError naming the folder it looked in, so no number is ever silently a datasheet's.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise HardwareError(f"dtype: unknown '{dtype}', allowed: {', '.join(DTYPE_BYTES)}")
+    if hardware.calibrated and hardware.bandwidth_Bps is None:
+        folder = Path(results_dir or "results") / CALIBRATION_DIR
+        record = find_calibration(results_dir or "results", dtype, device)
+        if record is None:
+            raise HardwareError(
+                f"hardware=measured: no calibration record for dtype {dtype} in {folder} "
+                "(the runner writes one when it runs on this device; or pick a datasheet: "
+                f"{', '.join(n for n in available_hardware() if n != 'measured')})"
+            )
+        hardware = record.hardware()
+    return hardware.roof(dtype), f"{hardware.name}: {hardware.source}"

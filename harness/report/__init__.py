@@ -1,0 +1,8 @@
+"""The report stage: every measured row beside its analytic prediction, and GUIDE section 1 answered.
+
+    python -m harness.report results_dir=results [hardware=h100_sxm] [out=<folder>]
+
+writes <results_dir>/_report/report.md and a self-contained index.html (plots embedded). Modules:
+document (blocks, Markdown), html (HTML), format (numbers), groups (rows per model/device/dtype),
+plots, tables, questions (the answers), build (assembly).
+"""

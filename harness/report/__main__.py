@@ -1,0 +1,38 @@
+"""`python -m harness.report results_dir=<dir> [hardware=<datasheet>] [out=<folder>]`.
+
+hardware: the datasheet for rows with no calibration and no datasheet matching their device name.
+Bad input prints one line and exits 2.
+"""
+from __future__ import annotations
+
+import sys
+
+from harness.report.build import ReportError, build_report
+from harness.results import DEFAULT_FALLBACK_HARDWARE
+
+KEYS = {"results_dir": "results", "hardware": DEFAULT_FALLBACK_HARDWARE, "out": None}
+
+
+def parse(argv: list[str]) -> dict:
+    options = dict(KEYS)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in KEYS:
+            raise ReportError(f"{arg}: expected key=value with key one of {', '.join(KEYS)}")
+        options[key] = value
+    return options
+
+
+def main(argv: list[str]) -> int:
+    try:
+        options = parse(argv)
+        files = build_report(options["results_dir"], options["hardware"], options["out"])
+    except ReportError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"wrote {files.markdown} and {files.html} ({len(files.figures)} plots)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Assemble the report: load the rows, draw each group's plots, tabulate, answer, write both files."""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from harness.hardware import available_hardware
+from harness.report import plots, tables
+from harness.report.document import Block, Figure, Heading, Paragraph, to_markdown
+from harness.report.groups import Group, groups_of
+from harness.report.html import to_html
+from harness.report.questions import answers
+from harness.results import DEFAULT_FALLBACK_HARDWARE, load
+
+REPORT_DIR = "_report"  # under results_dir: '_' so pandas.read_parquet(results_dir) skips it
+TITLE = "Decode strategies: measured against the analytic model"
+
+
+class ReportError(ValueError):
+    """Bad input to the report; the message is the one line printed."""
+
+
+@dataclass
+class ReportFiles:
+    """What a report run wrote."""
+
+    markdown: Path  # report.md, images referenced by relative path
+    html: Path  # index.html, images embedded: one file to send around
+    figures: list[Path] = field(default_factory=list)  # the PNGs next to them
+
+
+def _status_counts(table: pd.DataFrame) -> str:
+    counts = table["status"].value_counts() if "status" in table else {}
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "skipped", "failed"))
+
+
+def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
+    """The plots of one model/device/dtype, each with a caption saying what to look at."""
+    out: list[Block] = [Heading(f"Measured against predicted: {group.title}"),
+                        Paragraph(f"Roof: {group.roof_description}.")]
+    figures = [
+        (plots.step_time_vs_context(group, folder),
+         "Decode step time against context. Dots: measured medians (bars p10–p90); lines: the roofline "
+         "prediction per strategy. The gap between a dot and its line is what the roofline does not model.",
+         "No ok row with a decode time."),
+        (plots.no_cache_over_cache(group, folder),
+         "No cache ÷ cache per decode step. Black: FLOP ratio; dashed: predicted (roofline) time ratio; "
+         "dots: measured time ratio. The distance between the black line and the dots is the FLOP saving "
+         "that does not turn into wall-clock saving.",
+         "Needs `no_cache` and a cached strategy at the same batch and context."),
+        (plots.cache_bytes_vs_tokens(group, folder),
+         "Cache bytes against batch × tokens: only the product matters. The weights are the flat line; the "
+         "red mark is where the cache outweighs them.", ""),
+        (plots.prefill_vs_decode(group, folder),
+         "Prefill reads the weights once for the whole prompt; decode reads them (and the cache) for every "
+         "token. Left: bytes per token (analytic); right: measured time per token.", ""),
+    ]
+    for path, caption, missing in figures:
+        if path is not None:
+            out.append(Figure(path, caption))
+        elif missing:
+            out.append(Paragraph(f"*(plot omitted: {missing})*"))
+    out.append(Heading("Equal batch × tokens: memory and throughput", 3))
+    if sets:
+        out.append(tables.equal_product_table(sets))
+        out.append(Figure(plots.equal_batch_tokens(group, sets, folder),
+                          "Same batch × ctx: the cache is the same to the byte (left, dark bars), throughput is not (right)."))
+    else:
+        out.append(Paragraph("No two rows of one cached strategy share batch × ctx here "
+                             "(the default sweep has such pairs: batch 1,4,16 × ctx 64,256,1024)."))
+    return out
+
+
+def _not_measured(table: pd.DataFrame) -> list[Block]:
+    out: list[Block] = [Heading("Rows and files not measured")]
+    bad = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
+    out.append(tables.not_measured_table(table) if not bad.empty else Paragraph("Every row ran (status ok)."))
+    skipped = table.attrs.get("skipped_files", [])
+    out.append(Heading("Files in the results folder that are not rows", 3))
+    out.append(tables.skipped_files_table(skipped) if skipped else Paragraph("None: every file was a readable row."))
+    problems = table.attrs.get("calibration_problems", [])
+    if problems:
+        out += [Heading("Calibration files that could not be read", 3), tables.skipped_files_table(problems)]
+    return out
+
+
+def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[Block]:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    skipped = table.attrs.get("skipped_files", [])
+    blocks: list[Block] = [Heading(TITLE, 1), Paragraph(
+        f"Results folder `{results_dir}`: {len(table)} rows ({_status_counts(table)}); "
+        f"{len(skipped)} files not read (listed at the end). Written {stamp}.")]
+    if table.empty:
+        return blocks + [Paragraph(
+            f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
+            f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
+    groups = groups_of(table)
+    sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
+    blocks += [Heading("Roofs the predictions use"), Paragraph(
+        "Each prediction is a roofline time: max(FLOPs ÷ peak FLOP/s, bytes ÷ bandwidth), per decode step, "
+        "averaged over the point's decode steps. Measured roofs (a calibration) are used where one exists; "
+        "otherwise a datasheet, named below."), tables.roofs_table(table)]
+    if any(g.roof_source == "datasheet" and "stand-in" in g.roof_description for g in groups):
+        blocks.append(Paragraph("**Note:** some rows have no calibration and no matching datasheet: they are "
+                                "predicted with a stand-in datasheet, so their ratios compare this machine "
+                                "with that device, not with this machine's own roofs."))
+    for group in groups:
+        blocks += _group_section(group, folder, sets_by_group[group.slug])
+    blocks += [Heading("Every row beside its prediction"), Paragraph(
+        "Ratios are measured ÷ analytic. Times are per decode step (no_cache: one full recompute), the "
+        "prediction averaged over the point's decode steps; `bound` is what the roofline predicts limits "
+        "that step. Bytes per step come from a hardware counter where one ran (`ncu`), else from the "
+        "runner's model, which is the analytic one (no ratio then). Cache: bytes allocated against "
+        "batch × (ctx + decode_tokens) × kv_bytes_per_token."),
+        tables.rows_table(table)]
+    blocks += answers(table, groups, sets_by_group)
+    return blocks + _not_measured(table)
+
+
+def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None) -> ReportFiles:
+    """Read every row of results_dir and write <out_dir>/report.md and index.html (and the PNGs)."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise ReportError(f"results_dir: no folder at '{results_dir}'")
+    datasheets = [n for n in available_hardware() if n != "measured"]
+    if fallback_hardware not in datasheets:
+        raise ReportError(f"hardware: unknown datasheet '{fallback_hardware}', allowed: {', '.join(datasheets)}")
+    folder = Path(out_dir) if out_dir else results_dir / REPORT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
+        stale.unlink()
+    table = load(results_dir, fallback_hardware)
+    blocks = build_blocks(table, results_dir, folder)
+    files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html",
+                        figures=[b.path for b in blocks if isinstance(b, Figure)])
+    files.markdown.write_text(to_markdown(blocks))
+    files.html.write_text(to_html(blocks, TITLE))
+    return files

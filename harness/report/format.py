@@ -1,0 +1,65 @@
+"""Numbers as a reader wants them: times in s/ms/µs, bytes in binary units, ratios with an x."""
+from __future__ import annotations
+
+import math
+
+
+def missing(value) -> bool:
+    try:
+        return value is None or math.isnan(float(value))
+    except (TypeError, ValueError):
+        return True
+
+
+def seconds(value) -> str:
+    if missing(value):
+        return "–"
+    value = float(value)
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def nbytes(value) -> str:
+    if missing(value):
+        return "–"
+    value = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def ratio(value) -> str:
+    """3 significant figures, never in exponent form: 1.33x, 21.9x, 596x, 3,893x."""
+    if missing(value):
+        return "–"
+    value = float(value)
+    return f"{value:,.0f}x" if abs(value) >= 100 else f"{value:.3g}x"
+
+
+def count(value) -> str:
+    return "–" if missing(value) else f"{int(round(float(value))):,}"
+
+
+def flops(value) -> str:
+    if missing(value):
+        return "–"
+    value = float(value)
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.3g} FLOP"
+
+
+def rate(value, unit: str) -> str:
+    """A per-second rate with an SI prefix: rate(3.35e12, 'B/s') -> '3.35 TB/s'."""
+    if missing(value):
+        return "–"
+    value = float(value)
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"

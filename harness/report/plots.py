@@ -1,0 +1,246 @@
+"""The report's plots, one function each: measured points against analytic lines, saved as PNGs.
+
+Every function takes one Group (one model, device, dtype) and the folder to write to, and returns the
+path of the PNG, or None when the rows at hand cannot show what the plot is about (the report then
+says so instead of drawing an empty frame).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: the report runs headless
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+from harness import analytic  # noqa: E402
+from harness.report.groups import Group  # noqa: E402
+
+STRATEGY_COLOURS = {"no_cache": "#d62728", "contiguous": "#1f77b4", "flash": "#2ca02c"}
+BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+DPI = 110
+
+
+def _colour(strategy: str) -> str:
+    return STRATEGY_COLOURS.get(strategy, "#7f7f7f")
+
+
+def _save(fig, folder: Path, name: str) -> Path:
+    path = Path(folder) / name
+    fig.savefig(path, dpi=DPI)  # every figure is laid out by tight_layout already
+    plt.close(fig)
+    return path
+
+
+def _context_axis(ax, ctxs) -> None:
+    """Log x axis ticked at the contexts that were measured, labelled in plain numbers."""
+    ticks = sorted({int(c) for c in ctxs})
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+
+
+def _context_grid(ctxs) -> np.ndarray:
+    """Contexts for an analytic line spanning the measured ones, a little beyond each end."""
+    low, high = max(1, int(min(ctxs) / 1.5)), int(max(ctxs) * 1.5)
+    return np.unique(np.geomspace(low, high, 40).astype(int))
+
+
+def _mean_step_s(group: Group, batch: int, ctx: int, cached: bool) -> float:
+    """Roofline time per decode step averaged over the group's decode steps (as the rows' prediction)."""
+    n = group.decode_tokens
+    return analytic.generate_time(group.shape, group.dtype, batch, ctx, n, group.roof, cached) / n
+
+
+def _mean_step_flops(group: Group, batch: int, ctx: int, cached: bool) -> float:
+    n = group.decode_tokens
+    return analytic.generate_flops(group.shape, batch, ctx, n, cached) / n
+
+
+def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
+    """Decode step time against context, one panel per batch: points measured, lines the roofline."""
+    ok = group.ok.dropna(subset=["decode_step_s"])
+    if ok.empty:
+        return None
+    batches = sorted(ok["batch"].unique())
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches) + 0.6, 4.0), squeeze=False, sharey=True)
+    grid = _context_grid(ok["ctx"])
+    for ax, batch in zip(axes[0], batches):
+        rows = ok[ok["batch"] == batch]
+        for strategy in group.strategies():
+            mine = rows[rows["strategy"] == strategy].sort_values("ctx")
+            if mine.empty:
+                continue
+            cached = strategy != "no_cache"
+            line = [_mean_step_s(group, int(batch), int(c), cached) for c in grid]
+            ax.plot(grid, line, "-", color=_colour(strategy), alpha=0.55, lw=1.6)
+            err = None
+            if {"decode_step_p10_s", "decode_step_p90_s"} <= set(mine.columns):
+                low = (mine["decode_step_s"] - mine["decode_step_p10_s"]).clip(lower=0).fillna(0)
+                high = (mine["decode_step_p90_s"] - mine["decode_step_s"]).clip(lower=0).fillna(0)
+                err = [low.to_numpy(float), high.to_numpy(float)]
+            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(strategy),
+                        ms=5, capsize=2, label=strategy)
+        _context_axis(ax, ok["ctx"])
+        ax.set_yscale("log")
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens before the first decode step)")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel("decode step time (s)")
+    axes[0][0].plot([], [], "-", color="#888", label="roofline (lines)")  # legend entry for the lines
+    axes[0][0].legend(title="dots: measured (p10–p90)", fontsize=8, title_fontsize=8)
+    fig.suptitle(f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n"
+                 f"{group.title}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, folder, f"step_time_{group.slug}.png")
+
+
+def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
+    """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context."""
+    ok = group.ok.dropna(subset=["decode_step_s"])
+    cached_name = next((s for s in ("contiguous", "flash") if s in set(ok["strategy"])), None)
+    if cached_name is None or "no_cache" not in set(ok["strategy"]):
+        return None
+    grid = _context_grid(ok["ctx"])
+    fig, ax = plt.subplots(figsize=(8.5, 5.0))
+    flop_ratio = [_mean_step_flops(group, 1, int(c), False) / _mean_step_flops(group, 1, int(c), True) for c in grid]
+    ax.plot(grid, flop_ratio, "-", color="black", lw=2.2, label="FLOP ratio (analytic, any batch)")
+    for i, batch in enumerate(sorted(ok["batch"].unique())):
+        colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
+        time_ratio = [_mean_step_s(group, int(batch), int(c), False) / _mean_step_s(group, int(batch), int(c), True)
+                      for c in grid]
+        ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
+        pairs = measured_ratio(ok, int(batch), cached_name)
+        if pairs:
+            ax.plot(*zip(*pairs), "o", color=colour, ms=7, label=f"measured time ratio, batch {batch}")
+    ax.axhline(1.0, color="#999", lw=0.8)
+    _context_axis(ax, ok["ctx"])
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens before the first decode step)")
+    ax.set_ylabel(f"no_cache ÷ {cached_name}, per decode step")
+    ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline, dots: measured)\n{group.title}",
+                 fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, folder, f"no_cache_over_cache_{group.slug}.png")
+
+
+def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
+    """(ctx, no_cache step time / cached step time) where both ran at this batch."""
+    rows = ok[ok["batch"] == batch]
+    slow = rows[rows["strategy"] == "no_cache"].groupby("ctx")["decode_step_s"].median()
+    fast = rows[rows["strategy"] == cached_name].groupby("ctx")["decode_step_s"].median()
+    both = slow.index.intersection(fast.index)
+    return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
+
+
+def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
+    """Cache bytes against batch x tokens, the weights as a line, the crossover marked."""
+    per_token = analytic.kv_bytes_per_token(group.shape, group.dtype)
+    weights = analytic.weight_bytes(group.shape, group.dtype)
+    crossover = analytic.tokens_to_match_weights(group.shape, group.dtype)
+    cached = group.ok[(group.ok["strategy"] != "no_cache")].dropna(subset=["kv_cache_bytes"])
+    tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
+    high = max([crossover * 4, *(tokens * 2)])
+    grid = np.geomspace(1, high, 100)
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    ax.plot(grid, grid * per_token, "-", color="#1f77b4", lw=1.8,
+            label=f"cache, analytic: {per_token:,} B per token")
+    ax.axhline(weights, color="black", lw=1.6, label=f"weights: {weights / 2**20:,.1f} MiB")
+    ax.axvline(crossover, color="#d62728", ls=":", lw=1.4)
+    ax.annotate(f"cache = weights at\n{crossover:,.0f} tokens", (crossover, weights), xytext=(8, -40),
+                textcoords="offset points", color="#d62728", fontsize=9)
+    for strategy in sorted(cached["strategy"].unique()):
+        mine = cached[cached["strategy"] == strategy]
+        ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
+                color=_colour(strategy), ms=6, label=f"{strategy}: allocated, measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch × tokens held (ctx + decode_tokens per sequence)")
+    ax.set_ylabel("bytes")
+    ax.set_title(f"KV cache against weights\n{group.title}", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, folder, f"cache_bytes_{group.slug}.png")
+
+
+def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
+    """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
+    ok = group.ok[group.ok["strategy"] != "no_cache"]
+    ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
+    grid = _context_grid(ctxs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13.0, 4.6))
+    for i, batch in enumerate(sorted(set(ok["batch"]) or {1})):
+        colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
+        prefill = [analytic.prefill_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
+        decode = [analytic.decode_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
+        left.plot(grid, decode, "-", color=colour, lw=1.6, label=f"decode, batch {batch}")
+        left.plot(grid, prefill, "--", color=colour, lw=1.6, label=f"prefill, batch {batch}")
+        mine = ok[ok["batch"] == batch].sort_values("ctx")
+        if mine.empty:
+            continue
+        decode_t = mine["decode_step_s"] / mine["batch"]
+        prefill_t = mine["prefill_s"] / (mine["batch"] * mine["ctx"])
+        right.plot(mine["ctx"], decode_t, "o-", color=colour, ms=5, label=f"decode, batch {batch}")
+        if prefill_t.notna().any():
+            right.plot(mine["ctx"], prefill_t, "s--", color=colour, ms=5, label=f"prefill, batch {batch}")
+    left.set_title("bytes moved per token (analytic)", fontsize=10)
+    left.set_ylabel("bytes per token")
+    right.set_title("time per token (measured, cached strategies)", fontsize=10)
+    right.set_ylabel("seconds per token")
+    for ax in (left, right):
+        _context_axis(ax, ctxs)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length / context (tokens)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"Prefill against decode, per token\n{group.title}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, folder, f"prefill_vs_decode_{group.slug}.png")
+
+
+def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]:
+    """Workloads with equal batch x ctx side by side: memory (left) and throughput (right)."""
+    if not sets:
+        return None
+    labels, analytic_cache, allocated, peak, measured_tps, roofline_tps = [], [], [], [], [], []
+    boundaries = []  # x positions between two sets of equal batch x ctx
+    for product, rows in sets:
+        if labels:
+            boundaries.append(len(labels) - 0.5)
+        for _, row in rows.iterrows():
+            labels.append(f"{int(row['batch'])}×{int(row['ctx'])}\n(= {product:,})")
+            analytic_cache.append(analytic.kv_cache_bytes(group.shape, group.dtype, int(row["batch"]), int(row["ctx"])))
+            allocated.append(row["kv_cache_bytes"])
+            peak.append(row.get("peak_memory_bytes"))
+            measured_tps.append(row["tokens_per_s"])
+            roofline_tps.append(row["analytic_tokens_per_s"])
+    x = np.arange(len(labels))
+    fig, (mem, tps) = plt.subplots(1, 2, figsize=(min(15.0, max(10.0, 1.1 * len(labels) * 2)), 4.8))
+    width = 0.27
+    mem.bar(x - width, np.asarray(analytic_cache, float) / 2**20, width, color="#1f77b4", label="cache at batch×ctx (analytic)")
+    mem.bar(x, np.asarray(allocated, float) / 2**20, width, color="#aec7e8", label="cache allocated (measured)")
+    mem.bar(x + width, np.asarray(peak, float) / 2**20, width, color="#c7c7c7", label="peak memory (measured)")
+    mem.set_ylabel("MiB")
+    mem.set_title("memory: equal at equal batch × ctx", fontsize=10)
+    tps.bar(x - width / 2, measured_tps, width, color="#ff7f0e", label="measured")
+    tps.bar(x + width / 2, roofline_tps, width, color="#ffbb78", label="roofline")
+    tps.set_yscale("log")
+    tps.set_ylabel("generated tokens per second")
+    tps.set_title("throughput: not equal", fontsize=10)
+    for ax in (mem, tps):
+        for boundary in boundaries:
+            ax.axvline(boundary, color="#bbb", lw=0.8, ls="--")
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_xlabel("batch × ctx")
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.25)
+    strategy = sets[0][1]["strategy"].iloc[0]
+    fig.suptitle(f"Many short sequences against few long ones ({strategy})\n{group.title}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, folder, f"equal_batch_tokens_{group.slug}.png")

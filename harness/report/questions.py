@@ -1,0 +1,267 @@
+"""The section answering GUIDE section 1's questions: analytic figures for Llama 3 70B on an H100, and
+the measured figures of the rows at hand beside them.
+
+Each answer is a function returning blocks; each states the analytic number first, then what the
+rows show, and says plainly when the rows at hand cannot show it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from harness import analytic
+from harness.analytic import Roof
+from harness.config import ModelConfig, model_config_from
+from harness.hardware import load_hardware
+from harness.report import format as fmt
+from harness.report.document import Block, Bullets, Heading, Paragraph, Table
+from harness.report.groups import Group
+from harness.report.plots import measured_ratio
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+
+
+@dataclass
+class Reference:
+    """The analytic reference workload of GUIDE section 1."""
+
+    shape: ModelConfig  # Llama 3 70B
+    dtype: str  # bfloat16
+    hardware: str  # h100_sxm
+    roof: Roof  # its datasheet roof in that dtype
+    batch: int  # 1
+    ctx: int  # prompt tokens before the first decode step
+    steps: int  # decode steps after the prompt
+
+
+def model_preset(name: str) -> ModelConfig:
+    return model_config_from(yaml.safe_load((MODEL_DIR / f"{name}.yaml").read_text()))
+
+
+def reference() -> Reference:
+    dtype = "bfloat16"
+    return Reference(shape=model_preset("llama3_70b"), dtype=dtype, hardware="h100_sxm",
+                     roof=load_hardware("h100_sxm").roof(dtype), batch=1, ctx=4096, steps=512)
+
+
+def _ref_line(ref: Reference) -> str:
+    return (f"Llama 3 70B, {ref.dtype}, H100 SXM datasheet roof ({fmt.rate(ref.roof.bytes_per_s, 'B/s')}, "
+            f"{fmt.rate(ref.roof.flops_per_s, 'FLOP/s')})")
+
+
+def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
+    out = [Heading("Why keys and values can be cached and queries cannot", 3), Paragraph(
+        "The key and value of token j are projections of token j's hidden state at position j; causal "
+        "attention means no later token changes that state, so they are the same at every later step and "
+        "can be kept. A query is used only by the step that creates it: the next step needs the next "
+        "token's query, which did not exist before. If caching were inexact, the cached strategies would "
+        "generate different tokens from `no_cache`, which recomputes everything from the token ids.")]
+    ok = table[(table["status"] == "ok")] if "status" in table else table
+    if "tokens_digest" not in ok or ok.empty or "no_cache" not in set(ok["strategy"]):
+        return out + [Paragraph("**Measured:** no `no_cache` rows with token digests here, so nothing to compare.")]
+    keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens"]
+    reference_rows = ok[ok["strategy"] == "no_cache"][keys + ["tokens_digest"]].drop_duplicates(keys)
+    lines = []
+    for strategy in sorted(set(ok["strategy"]) - {"no_cache"}):
+        mine = ok[ok["strategy"] == strategy][keys + ["tokens_digest"]].drop_duplicates(keys)
+        both = mine.merge(reference_rows, on=keys, suffixes=("", "_no_cache"))
+        if both.empty:
+            continue
+        same = int((both["tokens_digest"] == both["tokens_digest_no_cache"]).sum())
+        lines.append(f"`{strategy}`: {same} of {len(both)} points generated exactly the tokens `no_cache` did"
+                     + ("" if same == len(both) else " (**some differ: see the rows table**)"))
+    return out + [Paragraph("**Measured:** greedy tokens compared by digest, point by point:"),
+                  Bullets(lines or ["no point ran both `no_cache` and a cached strategy"])]
+
+
+def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
+    s = ref.shape
+    out = [Heading("Cache bytes per token, for any shape and dtype", 3), Paragraph(
+        "`kv_bytes_per_token = 2 × n_layers × n_kv_heads × head_dim × bytes_per_element`: one key and one "
+        f"value per layer and KV head. {_ref_line(ref)}: 2 × {s.n_layers} × {s.n_kv_heads} × "
+        f"{s.resolved_head_dim} × 2 = **{analytic.kv_bytes_per_token(s, ref.dtype):,} B "
+        f"({fmt.nbytes(analytic.kv_bytes_per_token(s, ref.dtype))})**. Batch, query heads and the "
+        "attention pattern do not enter it.")]
+    header = ["model", "dtype", "kv bytes/token", "weights", "tokens to match weights"]
+    body = []
+    for name in sorted(p.stem for p in MODEL_DIR.glob("*.yaml")):
+        shape = model_preset(name)
+        for dtype in ("float32", "bfloat16"):
+            body.append([name, dtype, f"{analytic.kv_bytes_per_token(shape, dtype):,} B",
+                         fmt.nbytes(analytic.weight_bytes(shape, dtype)),
+                         f"{analytic.tokens_to_match_weights(shape, dtype):,.0f}"])
+    out.append(Table(header, body, [False, False, True, True, True]))
+    measured = []
+    for g in groups:
+        cached = g.ok[(g.ok["strategy"] != "no_cache")].dropna(subset=["kv_cache_bytes"])
+        cached = cached[cached["kv_cache_bytes"] > 0]
+        if cached.empty:
+            continue
+        per_token = cached["kv_cache_bytes"] / (cached["batch"] * (cached["ctx"] + cached["decode_tokens"]))
+        measured.append(f"{g.title}: allocated cache ÷ (batch × (ctx + decode_tokens)) = "
+                        f"{per_token.min():,.0f} – {per_token.max():,.0f} B per token over {len(cached)} rows; "
+                        f"analytic {analytic.kv_bytes_per_token(g.shape, g.dtype):,} B")
+    out.append(Paragraph("**Measured:**"))
+    out.append(Bullets(measured or ["no cached rows with cache bytes here"]))
+    return out
+
+
+def growth(ref: Reference, groups: list[Group]) -> list[Block]:
+    s, p = ref.shape, ref.ctx
+    out = [Heading("How work grows with length: no cache against cache", 3), Paragraph(
+        "Decode step i after a p-token prompt sits at context c = p + i. With a cache it runs one token: "
+        "2 × (matmul weights) FLOPs plus one query over c + 1 keys (4 × (c + 1) × n_heads × head_dim per "
+        "layer): **linear** in c, so n steps cost a total quadratic only in the small attention term. "
+        "Without a cache it re-runs all c + 1 tokens: 2 × (matmul weights) × (c + 1) plus causal attention "
+        "over (c + 1)(c + 2)/2 pairs: **quadratic** per step, cubic in total attention work.")]
+    header = ["context c", "FLOPs/step, cache", "FLOPs/step, no cache", "FLOP ratio",
+              f"total over {ref.steps} steps, cache", "total, no cache"]
+    body = []
+    for ctx in (512, 2048, 8192, 32768):
+        cached = analytic.decode_step_flops(s, 1, ctx)
+        full = analytic.decode_step_flops(s, 1, ctx, cached=False)
+        body.append([f"{ctx:,}", fmt.flops(cached), fmt.flops(full), fmt.ratio(full / cached),
+                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps)),
+                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps, cached=False))])
+    out += [Paragraph(f"{_ref_line(ref)}, batch 1:"), Table(header, body, [True] * len(header))]
+    measured = []
+    for g in groups:
+        for strategy in g.strategies():
+            for batch in sorted(g.ok["batch"].unique()):
+                rows = g.ok[(g.ok["strategy"] == strategy) & (g.ok["batch"] == batch)].dropna(subset=["decode_step_s"])
+                if rows["ctx"].nunique() < 2:
+                    continue
+                slope = np.polyfit(np.log(rows["ctx"].astype(float)), np.log(rows["decode_step_s"].astype(float)), 1)[0]
+                low, high = rows.sort_values("ctx").iloc[[0, -1]].itertuples()
+                measured.append(f"{g.model} {g.dtype}, `{strategy}`, batch {batch}: step time × "
+                                f"{high.decode_step_s / low.decode_step_s:.3g} from ctx {low.ctx:,} to {high.ctx:,} "
+                                f"(×{high.ctx / low.ctx:.3g} context); log-log slope {slope:.2f}")
+    out += [Paragraph("**Measured** (slope 0: flat, 1: linear, 2: quadratic in context):"),
+            Bullets(measured or ["no strategy ran at two contexts here"])]
+    return out
+
+
+def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
+    s, r, p = ref.shape, ref.roof, ref.ctx
+    cached_b = analytic.decode_step_bytes(s, ref.dtype, 1, p)["total"]
+    cached_f = analytic.decode_step_flops(s, 1, p)
+    full_f = analytic.decode_step_flops(s, 1, p, cached=False)
+    t_cached = analytic.decode_step_time(s, ref.dtype, 1, p, r)
+    t_full = analytic.decode_step_time(s, ref.dtype, 1, p, r, cached=False)
+    out = [Heading("Why the wall-clock speedup is far below the FLOP saving", 3), Paragraph(
+        f"{_ref_line(ref)}, batch 1, context {p:,}: the cache cuts a step's FLOPs by "
+        f"**{full_f / cached_f:,.0f}x** ({fmt.flops(full_f)} → {fmt.flops(cached_f)}), but the cached step "
+        f"still moves {fmt.nbytes(cached_b)} (all weights plus the cache) for those {fmt.flops(cached_f)}: "
+        f"an intensity of {cached_f / cached_b:.2f} FLOP/B against a ridge of {r.ridge:.0f} FLOP/B. It waits "
+        f"on memory: {fmt.seconds(t_cached)} at the bandwidth roof, while its FLOPs alone would take "
+        f"{fmt.seconds(cached_f / r.flops_per_s)}. The no-cache step is compute bound at {fmt.seconds(t_full)}. "
+        f"So the predicted time saving is **{t_full / t_cached:,.1f}x**, not {full_f / cached_f:,.0f}x: "
+        "removing arithmetic from a step that was waiting on bytes saves little time.")]
+    header = ["model", "batch", "ctx", "FLOP ratio", "roofline time ratio", "measured time ratio"]
+    body = []
+    for g in groups:
+        cached_name = next((x for x in ("contiguous", "flash") if x in set(g.ok["strategy"])), None)
+        if cached_name is None:
+            continue
+        n = g.decode_tokens
+        for batch in sorted(g.ok["batch"].unique()):
+            for ctx, measured in measured_ratio(g.ok, int(batch), cached_name):
+                flop_ratio = analytic.generate_flops(g.shape, 1, ctx, n, False) / analytic.generate_flops(g.shape, 1, ctx, n)
+                time_ratio = (analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, False)
+                              / analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof))
+                body.append([f"{g.model} {g.dtype} ({cached_name})", fmt.count(batch), fmt.count(ctx),
+                             fmt.ratio(flop_ratio), fmt.ratio(time_ratio), fmt.ratio(measured)])
+    out.append(Paragraph("**Measured**, no_cache ÷ cached, per decode step (see also the plot above):"))
+    out.append(Table(header, body, [False] + [True] * 5) if body else
+               Paragraph("No point ran both `no_cache` and a cached strategy."))
+    return out
+
+
+def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
+    s, p = ref.shape, ref.ctx
+    pre = analytic.prefill_bytes_per_token(s, ref.dtype, 1, p)
+    dec = analytic.decode_bytes_per_token(s, ref.dtype, 1, p)
+    out = [Heading("Prefill against decode: bytes per token", 3), Paragraph(
+        f"Prefill pushes the p prompt tokens through one read of the weights; decode reads the weights and "
+        f"the cache for every token. {_ref_line(ref)}, batch 1, p = {p:,}: prefill "
+        f"**{fmt.nbytes(pre)} per token**, decode **{fmt.nbytes(dec)} per token**, a ratio of "
+        f"**{dec / pre:,.0f}x** (about p; the same FLOPs per token). Predicted time per token: prefill "
+        f"{fmt.seconds(analytic.prefill_time(s, ref.dtype, 1, p, ref.roof) / p)}, decode "
+        f"{fmt.seconds(analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof))}.")]
+    measured = []
+    for g in groups:
+        rows = g.ok[(g.ok["strategy"] != "no_cache")].dropna(subset=["prefill_s", "decode_step_s"])
+        for _, r in rows.sort_values(["batch", "ctx"]).iterrows():
+            pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
+            dec_t = r["decode_step_s"] / r["batch"]
+            b_ratio = (analytic.decode_bytes_per_token(g.shape, g.dtype, int(r["batch"]), int(r["ctx"]))
+                       / analytic.prefill_bytes_per_token(g.shape, g.dtype, int(r["batch"]), int(r["ctx"])))
+            measured.append([f"{g.model} {g.dtype} {r['strategy']}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
+                             fmt.ratio(b_ratio), fmt.seconds(pre_t), fmt.seconds(dec_t), fmt.ratio(dec_t / pre_t)])
+    out.append(Paragraph("**Measured** time per token (bytes are not counted on the CPU; the analytic byte ratio beside it):"))
+    out.append(Table(["rows", "batch", "ctx", "bytes ratio (analytic)", "prefill s/token", "decode s/token",
+                      "time ratio"], measured, [False] + [True] * 6) if measured
+               else Paragraph("No cached row recorded both a prefill and a decode time."))
+    return out
+
+
+def weights_crossover(ref: Reference, groups: list[Group]) -> list[Block]:
+    s = ref.shape
+    n = analytic.tokens_to_match_weights(s, ref.dtype)
+    out = [Heading("How many cached tokens weigh as much as the weights", 3), Paragraph(
+        f"{_ref_line(ref)}: weights {fmt.nbytes(analytic.weight_bytes(s, ref.dtype))} ÷ "
+        f"{analytic.kv_bytes_per_token(s, ref.dtype):,} B per token = **{n:,.0f} tokens**, in any split of "
+        f"batch × tokens: e.g. batch 1 × {n:,.0f}, or batch 32 × {n / 32:,.0f}, or batch 128 × {n / 128:,.0f}.")]
+    measured = []
+    for g in groups:
+        crossover = analytic.tokens_to_match_weights(g.shape, g.dtype)
+        cached = g.ok[g.ok["strategy"] != "no_cache"].dropna(subset=["kv_cache_bytes"])
+        largest = cached.loc[cached["kv_cache_bytes"].idxmax()] if not cached.empty else None
+        text = f"{g.title}: analytic crossover at {crossover:,.0f} tokens"
+        if largest is not None:
+            share = largest["kv_cache_bytes"] / analytic.weight_bytes(g.shape, g.dtype)
+            text += (f"; the largest measured cache (batch {largest['batch']} × {largest['ctx'] + largest['decode_tokens']:,} "
+                     f"tokens) is {fmt.nbytes(largest['kv_cache_bytes'])}, {share:.2%} of the weights")
+        measured.append(text)
+    return out + [Paragraph("**Measured:**"), Bullets(measured or ["no rows here"])]
+
+
+def equal_batch_tokens(ref: Reference, groups: list[Group], sets_by_group: dict) -> list[Block]:
+    s, p = ref.shape, 32768
+    few = analytic.decode_step_bytes(s, ref.dtype, 1, p)
+    many = analytic.decode_step_bytes(s, ref.dtype, 32, p // 32)
+    t_few = analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof)
+    t_many = analytic.decode_step_time(s, ref.dtype, 32, p // 32, ref.roof)
+    out = [Heading("Equal batch × tokens: many short sequences against few long ones", 3), Paragraph(
+        f"{_ref_line(ref)}: batch 1 × {p:,} tokens and batch 32 × {p // 32:,} tokens hold the same cache to "
+        f"the byte ({analytic.kv_cache_bytes(s, ref.dtype, 1, p):,} B = "
+        f"{fmt.nbytes(analytic.kv_cache_bytes(s, ref.dtype, 1, p))}). A step reads the same weights and the "
+        f"same cache (totals {fmt.nbytes(few['total'])} and {fmt.nbytes(many['total'])}: they differ only by "
+        f"31 embedding rows) and does the same attention work, so the predicted step times are alike "
+        f"({fmt.seconds(t_few)} and {fmt.seconds(t_many)}), but the batch-32 step emits 32 tokens, not one: "
+        f"**{32 * t_few / t_many:.1f}x the throughput** for the same memory. Memory sets how many tokens can "
+        "be held; how they are split sets how many come out per step.")]
+    measured = []
+    for g in groups:
+        for product, rows in sets_by_group.get(g.slug, []):
+            parts = [f"batch {int(r.batch)} × ctx {int(r.ctx)}: {fmt.count(r.tokens_per_s)} tokens/s, "
+                     f"step {fmt.seconds(r.decode_step_s)}" for r in rows.itertuples()]
+            measured.append(f"{g.model} {g.dtype}, batch × ctx = {product:,}: " + "; ".join(parts))
+    return out + [Paragraph("**Measured** (table and plot in the section above):"),
+                  Bullets(measured or ["no two rows of one cached strategy share batch × ctx here"])]
+
+
+def answers(table: pd.DataFrame, groups: list[Group], sets_by_group: dict) -> list[Block]:
+    ref = reference()
+    return [
+        Heading("Answers to the questions of GUIDE section 1"),
+        Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref.batch}, a {ref.ctx:,}-token prompt "
+                  f"and {ref.steps} decode steps unless stated; measured figures come from the rows above."),
+        *cacheable(ref, table), *bytes_per_token(ref, groups), *growth(ref, groups),
+        *wall_clock_gap(ref, groups), *prefill_decode(ref, groups), *weights_crossover(ref, groups),
+        *equal_batch_tokens(ref, groups, sets_by_group),
+    ]

@@ -1,0 +1,102 @@
+"""The report's tables: every row beside its prediction, the roofs used, rows and files not measured."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from harness.report import format as fmt
+from harness.report.document import Table
+
+ROW_ORDER = ["model", "device", "dtype", "strategy", "batch", "ctx"]
+
+
+def _get(row, key):
+    return row[key] if key in row.index else None
+
+
+def rows_table(table: pd.DataFrame) -> Table:
+    """Every row (any status): measured and analytic time, bytes, cache bytes, their ratios, the bound."""
+    header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
+              "step measured", "step roofline", "ratio", "prefill measured", "prefill roofline", "ratio",
+              "bytes/step (source)", "bytes/step analytic", "ratio", "cache allocated", "cache analytic", "ratio",
+              "tokens/s", "bound"]
+    right = [False, False, False, False, True, True, False] + [True] * 13 + [False]
+    body = []
+    for _, row in table.sort_values(ROW_ORDER).iterrows():
+        measured_bytes = _get(row, "bytes_per_step_measured")
+        if fmt.missing(measured_bytes):
+            bytes_cell = f"{fmt.nbytes(_get(row, 'bytes_per_step_model'))} (model)"
+        else:
+            bytes_cell = f"{fmt.nbytes(measured_bytes)} ({_get(row, 'traffic_source') or 'measured'})"
+        body.append([
+            str(row["strategy"]), str(row["model"]), str(row["dtype"]), str(row["device"]),
+            fmt.count(row["batch"]), fmt.count(row["ctx"]), str(row["status"]),
+            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "analytic_decode_step_s")),
+            fmt.ratio(_get(row, "ratio_decode_step_s")),
+            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "analytic_prefill_s")),
+            fmt.ratio(_get(row, "ratio_prefill_s")),
+            bytes_cell, fmt.nbytes(_get(row, "analytic_bytes_per_step")),
+            fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
+            fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "analytic_kv_cache_bytes")),
+            fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
+            fmt.count(_get(row, "tokens_per_s")) if not fmt.missing(_get(row, "tokens_per_s")) else "–",
+            str(_get(row, "analytic_bound") or "–"),
+        ])
+    return Table(header, body, right)
+
+
+def roofs_table(table: pd.DataFrame) -> Table:
+    """Which roof each model/device/dtype was predicted with."""
+    header = ["device", "device name", "dtype", "peak FLOP/s", "bandwidth", "ridge (FLOP/B)", "source"]
+    body = []
+    keys = ["device", "device_name", "dtype", "roof_flops_used", "roof_bandwidth_used", "roof_description"]
+    present = table.dropna(subset=["roof_flops_used"]) if "roof_flops_used" in table else table.iloc[0:0]
+    for _, row in present[keys].drop_duplicates().iterrows():
+        ridge = row["roof_flops_used"] / row["roof_bandwidth_used"]
+        body.append([str(row["device"]), str(row["device_name"]), str(row["dtype"]),
+                     fmt.rate(row["roof_flops_used"], "FLOP/s"), fmt.rate(row["roof_bandwidth_used"], "B/s"),
+                     f"{ridge:.3g}", str(row["roof_description"])])
+    return Table(header, body, [False, False, False, True, True, True, False])
+
+
+def not_measured_table(table: pd.DataFrame) -> Table:
+    """Skipped and failed rows with their reasons."""
+    rows = table[table["status"] != "ok"].sort_values(ROW_ORDER) if "status" in table else table
+    body = [[str(r["status"]), str(r["strategy"]), str(r["model"]), str(r["dtype"]), str(r["device"]),
+             fmt.count(r["batch"]), fmt.count(r["ctx"]), str(_get(r, "reason") or "(no reason recorded)")]
+            for _, r in rows.iterrows()]
+    return Table(["status", "strategy", "model", "dtype", "device", "batch", "ctx", "reason"], body,
+                 [False] * 5 + [True, True, False])
+
+
+def skipped_files_table(skipped: list[tuple[str, str]]) -> Table:
+    return Table(["file", "why it was not read"], [[Path(path).name, reason] for path, reason in skipped])
+
+
+def equal_product_sets(ok: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
+    """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes), largest
+    product first. Prefers `contiguous`, the plainest cache, when several strategies qualify."""
+    cached = ok[ok["strategy"] != "no_cache"].dropna(subset=["decode_step_s"])
+    for strategy in ["contiguous", *sorted(set(cached["strategy"]) - {"contiguous"})]:
+        rows = cached[cached["strategy"] == strategy].copy()
+        rows["product"] = rows["batch"] * rows["ctx"]
+        sets = [(int(p), g.sort_values("batch", ascending=False))
+                for p, g in rows.groupby("product") if g["batch"].nunique() >= 2]
+        if sets:
+            return sorted(sets, key=lambda s: -s[0])
+    return []
+
+
+def equal_product_table(sets: list[tuple[int, pd.DataFrame]]) -> Table:
+    header = ["batch × ctx", "batch", "ctx", "cache at batch×ctx (analytic)", "cache allocated",
+              "peak memory", "step measured", "tokens/s measured", "tokens/s roofline"]
+    body = []
+    for product, rows in sets:
+        for _, r in rows.iterrows():
+            at_ctx = r["analytic_kv_cache_bytes"] // (r["ctx"] + r["decode_tokens"]) * r["ctx"]  # exact integers
+            body.append([f"{product:,}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
+                         f"{fmt.count(at_ctx)} B", fmt.nbytes(r["kv_cache_bytes"]),
+                         fmt.nbytes(_get(r, "peak_memory_bytes")), fmt.seconds(r["decode_step_s"]),
+                         fmt.count(r["tokens_per_s"]), fmt.count(r["analytic_tokens_per_s"])])
+    return Table(header, body, [True] * len(header))

@@ -1,0 +1,123 @@
+"""The Hydra app behind `python -m harness.run`: one point, or with -m / +sweep=<name>, a sweep.
+
+Pipeline per point: composed config -> Point (resolved) -> skip if its row exists -> measure in its own
+process -> row (config + measurement + analytic model + metadata) -> one Parquet file, atomically.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+
+from harness.config import register_schemas
+from harness.isolation import run_inline, run_isolated
+from harness.measure import measure_point
+from harness.points import cuda_available, point_from_config
+from harness.preflight import CONFIG_DIR, CONFIG_NAME, needs_preflight, plan
+from harness.record import build_row
+from harness.store import finished_keys, remove_stale_temporaries, write_row
+from harness.validate import ConfigError
+
+log = logging.getLogger("harness")
+
+
+@dataclass
+class Progress:
+    """Counts and timing across the points of this process, for the progress line and the summary."""
+
+    total: int = 1  # points this command line expands to
+    done: int = 0  # points handled so far (measured, skipped or already present)
+    started: float = field(default_factory=time.monotonic)
+    measured_seconds: list = field(default_factory=list)  # wall time of each point that ran
+    statuses: dict = field(default_factory=dict)  # status -> count
+
+    def eta_seconds(self) -> float | None:
+        if not self.measured_seconds:
+            return None
+        return (self.total - self.done) * sum(self.measured_seconds) / len(self.measured_seconds)
+
+    def line(self, label: str, outcome: str) -> str:
+        elapsed = time.monotonic() - self.started
+        eta = self.eta_seconds()
+        left = f", ~{_clock(eta)} left" if eta is not None and self.done < self.total else ""
+        return f"[{self.done}/{self.total}] {label}: {outcome} (elapsed {_clock(elapsed)}{left})"
+
+
+PROGRESS = Progress()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{secs:02d}"
+
+
+def _outcome(row: dict) -> str:
+    if row["status"] == "ok":
+        return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s"
+    return f"{row['status']}: {row['reason']}"
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
+def run_point(cfg) -> None:
+    point = point_from_config(cfg)
+    PROGRESS.done += 1
+    if not cfg.overwrite and point.key in finished_keys(cfg.results_dir):
+        PROGRESS.statuses["already measured"] = PROGRESS.statuses.get("already measured", 0) + 1
+        log.info(PROGRESS.line(point.label(), "already measured, skipped (overwrite=true re-runs it)"))
+        return
+    strategy = instantiate(point.strategy)
+    began = time.monotonic()
+    measured = (run_isolated if cfg.isolate else run_inline)(measure_point, point)
+    row = build_row(point, measured, strategy.caches_kv)
+    write_row(cfg.results_dir, row)
+    if row["status"] != "skipped":
+        PROGRESS.measured_seconds.append(time.monotonic() - began)
+    PROGRESS.statuses[row["status"]] = PROGRESS.statuses.get(row["status"], 0) + 1
+    log.info(PROGRESS.line(point.label(), _outcome(row)))
+    if "traceback" in measured:
+        log.debug(measured["traceback"])
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    register_schemas()
+    if needs_preflight(argv):
+        try:
+            the_plan = plan(argv, cuda_available)
+            _refuse_single_point_that_cannot_fit(the_plan)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        PROGRESS.total = len(the_plan.jobs)
+        for job in the_plan.jobs[:1]:
+            remove_stale_temporaries(job.results_dir)
+    run_point()
+    summary = ", ".join(f"{count} {status}" for status, count in sorted(PROGRESS.statuses.items()))
+    log.info(f"{PROGRESS.done} point(s) in {_clock(time.monotonic() - PROGRESS.started)}: {summary}")
+    return 1 if PROGRESS.statuses.get("failed") else 0
+
+
+def _refuse_single_point_that_cannot_fit(the_plan) -> None:
+    """A lone point that cannot fit is refused before Hydra creates a folder. In a sweep, such a
+    point becomes a skipped row with the same numbers (checked again inside its process)."""
+    if the_plan.multirun or len(the_plan.jobs) != 1:
+        return
+    point = point_from_config(the_plan.jobs[0])
+    if point.device != "cpu":
+        return  # free GPU memory is known only inside the point's process
+    from harness.memory import GIB, available_bytes, required_bytes
+
+    caches_kv = instantiate(point.strategy).caches_kv
+    need = required_bytes(point.model, point.dtype, caches_kv, point.batch, point.ctx, point.decode_tokens)
+    have = available_bytes("cpu")
+    if need > have:
+        raise ConfigError(
+            "model",
+            f"{point.label()} does not fit in memory: needs ~{need / GIB:.1f} GiB, "
+            f"{have / GIB:.1f} GiB available; choose a smaller model, batch or ctx",
+        )

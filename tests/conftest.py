@@ -1,0 +1,50 @@
+"""Shared test helpers: tiny shapes, in-process generation, and the CLI run in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.config import ModelConfig
+from harness.model import build_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The shape classes every strategy is proven exact on (GQA group sizes 2 and 4, the 8B width).
+TINY = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
+GQA4 = ModelConfig(name="gqa4", vocab_size=512, d_model=128, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=352)
+LLAMA3_8B_DEPTH1 = ModelConfig(
+    name="llama3_8b_depth1", vocab_size=128256, d_model=4096, n_layers=1, n_heads=32, n_kv_heads=8,
+    ffn_dim=14336, head_dim=128,
+)
+
+
+def generate(strategy, model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy generation through a strategy's session: tokens [B, new_tokens + 1]."""
+    session = strategy.new_session(model, prompt.shape[0], prompt.shape[1] + new_tokens)
+    tokens = [session.prefill(prompt).argmax(-1)]
+    for _ in range(new_tokens):
+        tokens.append(session.step(tokens[-1]).argmax(-1))
+    return torch.stack(tokens, dim=1)
+
+
+def cpu_model(shape: ModelConfig, dtype=torch.float32, seed: int = 0):
+    return build_model(shape, torch.device("cpu"), dtype, seed)
+
+
+def run_cli(*args: str, module: str = "harness.run", timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    """`python -m <module> args...` from the repository root, as a user would run it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout, **popen,
+    )
+
+
+@pytest.fixture
+def results_dir(tmp_path) -> Path:
+    return tmp_path / "results"

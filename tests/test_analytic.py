@@ -1,0 +1,176 @@
+"""The analytic model against values worked by hand, the CLI, and the hardware configs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import analytic
+from harness.analytic import Roof
+from harness.config import ModelConfig
+from harness.hardware import HardwareError, available_hardware, load_hardware, resolve
+from tests.report_fixtures import write_calibration
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A shape small enough to work by hand: d 4, 1 layer, 2 heads of 2, 1 KV head, ffn 8, vocab 10.
+HAND = ModelConfig(name="hand", vocab_size=10, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8)
+LLAMA3_70B = ModelConfig(name="llama3_70b", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
+                         n_kv_heads=8, ffn_dim=28672, head_dim=128)
+H100 = Roof(flops_per_s=989e12, bytes_per_s=3.35e12)
+
+
+def test_hand_shape_params_and_bytes():
+    # attention: wq 4*4 + wk 4*2 + wv 4*2 + wo 4*4 = 48; mlp 3*4*8 = 96; norms 2*4 = 8 -> layer 152
+    assert analytic.layer_params(HAND) == 152
+    # embedding 40 + layer 152 + final norm 4 + head 40
+    assert analytic.params(HAND) == 236
+    assert analytic.weight_bytes(HAND, "float32") == 944
+    # 2 (K and V) * 1 layer * 1 KV head * head_dim 2 * 4 B
+    assert analytic.kv_bytes_per_token(HAND, "float32") == 16
+    assert analytic.kv_cache_bytes(HAND, "float32", batch=3, tokens=5) == 240
+    # matmul weights: layer 152 - norms 8 = 144, plus head 40
+    assert analytic.matmul_params(HAND) == 184
+
+
+def test_hand_shape_flops():
+    # cached step at context 3: one token, 2*144 layer + 2*40 head, attention over 4 keys:
+    # 4 FLOPs * 4 keys * 2 heads * head_dim 2 * 1 layer = 64
+    assert analytic.decode_step_flops(HAND, batch=1, context=3) == 288 + 80 + 64
+    # no cache at context 3: 4 tokens, 4*288 + one head 80 + causal pairs 1+2+3+4 = 10, 16 FLOPs each
+    assert analytic.decode_step_flops(HAND, batch=1, context=3, cached=False) == 4 * 288 + 80 + 10 * 16
+    assert analytic.decode_step_flops(HAND, batch=2, context=3) == 2 * (288 + 80 + 64)
+    # prefill of 3 tokens: 3*288 + 80 + pairs 1+2+3 = 6
+    assert analytic.prefill_flops(HAND, batch=1, prompt=3) == 3 * 288 + 80 + 6 * 16
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("batch,prompt,steps", [(1, 1, 1), (2, 7, 5), (3, 16, 9), (1, 100, 64)])
+def test_generate_flops_closed_form_equals_the_sum_of_steps(cached, batch, prompt, steps):
+    by_step = sum(analytic.decode_step_flops(HAND, batch, prompt + i, cached) for i in range(steps))
+    assert analytic.generate_flops(HAND, batch, prompt, steps, cached) == by_step
+
+
+def test_hand_shape_step_bytes_and_prefill_bytes():
+    # decode reads every weight but the embedding table, plus one embedding row per sequence
+    weights = (236 - 40 + 2 * 4) * 4
+    step = analytic.decode_step_bytes(HAND, "float32", batch=2, context=5)
+    assert step == {"weights": weights, "cache_read": 2 * 5 * 16, "cache_write": 2 * 16,
+                    "total": weights + 160 + 32}
+    assert analytic.decode_step_bytes(HAND, "float32", 2, 5, cached=False)["total"] == weights
+    prefill = analytic.prefill_bytes(HAND, "float32", batch=2, prompt=5)
+    assert prefill["total"] == (236 - 40 + 10 * 4) * 4 + 10 * 16
+    assert analytic.prefill_bytes_per_token(HAND, "float32", 2, 5) == prefill["total"] / 10
+    assert analytic.decode_bytes_per_token(HAND, "float32", 2, 5) == step["total"] / 2
+
+
+def test_roofline_time_bound_and_ridge():
+    roof = Roof(flops_per_s=100.0, bytes_per_s=10.0)
+    assert roof.ridge == analytic.ridge_point(roof) == 10.0
+    assert analytic.roofline_time(50, 20, roof) == 2.0  # bytes: 2 s > FLOPs: 0.5 s
+    assert analytic.bound(50, 20, roof) == "memory"
+    assert analytic.roofline_time(500, 20, roof) == 5.0
+    assert analytic.bound(500, 20, roof) == "compute"
+    assert analytic.intensity(50, 20) == 2.5
+
+
+def test_llama3_70b_worked_example_of_the_guide():
+    assert analytic.kv_bytes_per_token(LLAMA3_70B, "bfloat16") == 327_680 == 320 * 1024
+    assert analytic.params(LLAMA3_70B) == 70_553_706_496  # the published "70B"
+    # the cache outweighs the weights at weights / 320 KiB tokens, in any batch x tokens split
+    assert analytic.tokens_to_match_weights(LLAMA3_70B, "bfloat16") == pytest.approx(430_625.65, abs=0.01)
+    assert analytic.kv_cache_bytes(LLAMA3_70B, "bfloat16", 1, 32768) == analytic.kv_cache_bytes(
+        LLAMA3_70B, "bfloat16", 32, 1024)
+    # decode at batch 1 is memory bound, intensity about 1 FLOP/B against a ridge near 295
+    figures = analytic.summary(LLAMA3_70B, "bfloat16", batch=1, ctx=4096, decode_tokens=512, roof=H100)
+    assert 1.0 < figures["decode_intensity_flops_per_byte"] < 1.1
+    assert figures["ridge_flops_per_byte"] == pytest.approx(295.2, abs=0.1)
+    assert figures["decode_step_bound"] == "memory"
+    assert figures["decode_step_s"] == pytest.approx(figures["bytes_decode_step"] / 3.35e12)
+    # prefill bytes per token is about the decode's divided by p
+    ratio = figures["decode_bytes_per_token"] / figures["prefill_bytes_per_token"]
+    assert 4000 < ratio < 4096 * 1.01
+
+
+def test_flop_ratio_grows_with_context_but_time_ratio_stays_far_smaller():
+    flop_ratios, time_ratios = [], []
+    for ctx in (512, 2048, 8192, 32768):
+        flop_ratios.append(analytic.generate_flops(LLAMA3_70B, 1, ctx, 64, cached=False)
+                           / analytic.generate_flops(LLAMA3_70B, 1, ctx, 64))
+        time_ratios.append(analytic.generate_time(LLAMA3_70B, "bfloat16", 1, ctx, 64, H100, cached=False)
+                           / analytic.generate_time(LLAMA3_70B, "bfloat16", 1, ctx, 64, H100))
+    assert flop_ratios == sorted(flop_ratios) and flop_ratios[-1] > 10_000
+    for flops, time in zip(flop_ratios, time_ratios):
+        assert time < flops / 100  # the cached run waits on bytes: most of the FLOP saving is not time
+    # and it is memory-bound decode that makes it so
+    assert analytic.bound(analytic.decode_step_flops(LLAMA3_70B, 1, 32768),
+                          analytic.decode_step_bytes(LLAMA3_70B, "bfloat16", 1, 32768)["total"], H100) == "memory"
+
+
+def test_generate_time_is_the_sum_of_per_step_roofline_times():
+    total = analytic.generate_time(HAND, "float32", 2, 4, 3, H100)
+    assert total == pytest.approx(sum(analytic.decode_step_time(HAND, "float32", 2, c, H100) for c in (4, 5, 6)))
+
+
+def test_datasheet_configs_load_with_every_dtype():
+    assert {"h100_sxm", "h200", "a100_80g", "measured"} <= set(available_hardware())
+    for name in ("h100_sxm", "h200", "a100_80g"):
+        hardware = load_hardware(name)
+        for dtype in analytic.DTYPE_BYTES:
+            assert hardware.roof(dtype).flops_per_s > 1e12
+    assert load_hardware("h100_sxm").roof("bfloat16") == H100
+    assert load_hardware("h200").bandwidth_Bps == 4.8e12
+
+
+def test_measured_hardware_reads_the_calibration_or_says_there_is_none(tmp_path):
+    measured = load_hardware("measured")
+    with pytest.raises(HardwareError, match="no calibration record"):
+        resolve(measured, "float32", tmp_path)
+    write_calibration(tmp_path)
+    roof, source = resolve(measured, "float32", tmp_path, "cpu")
+    assert roof == Roof(0.23e12, 19.6e9) and "cpu__float32.json" in source
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.analytic", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_has_every_key_and_agrees_with_the_functions():
+    done = _cli("model=llama3_70b", "hardware=h100_sxm", "dtype=bfloat16", "batch=2", "ctx=1000",
+                "decode_tokens=10", "format=json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    for key in ("params weight_bytes kv_bytes_per_token kv_cache_bytes tokens_to_match_weights "
+                "flops_decode_step flops_generate_cached flops_generate_no_cache bytes_decode_step "
+                "decode_step_s generate_s_cached generate_s_no_cache prefill_s prefill_bytes_per_token "
+                "decode_bytes_per_token ridge_flops_per_byte decode_intensity_flops_per_byte").split():
+        assert key in out, key
+    assert out["kv_bytes_per_token"] == 327_680
+    assert out["kv_cache_bytes"] == 2 * 1010 * 327_680
+    assert out["flops_generate_cached"] == analytic.generate_flops(LLAMA3_70B, 2, 1000, 10)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(capsys):
+    from harness.analytic_cli import main  # in-process: a subprocess per case would cost a second each
+
+    for args, key in ((["model=llama3_7b"], "model:"), (["dtype=int8"], "dtype:"), (["batch=0"], "batch:"),
+                      (["batch=abc"], "batch:"), (["model.n_layerz=1"], "model.n_layerz:"),
+                      (["format=xml"], "format:"), (["hardware=tpu"], "hardware:")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(key) and "\n" not in err, err
+
+
+@pytest.mark.parametrize("hardware", ["h100_sxm", "h200", "a100_80g"])
+def test_every_datasheet_composes_through_the_cli(hardware, capsys):
+    from harness.analytic_cli import main
+
+    assert main([f"hardware={hardware}", "model=tiny", "dtype=float32", "ctx=8", "decode_tokens=2",
+                 "format=json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bandwidth_Bps"] == load_hardware(hardware).bandwidth_Bps
+    assert out["peak_flops"] == load_hardware(hardware).flops["float32"]

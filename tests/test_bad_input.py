@@ -1,0 +1,73 @@
+"""Bad input: one line naming the key and what is allowed, exit code 2, no traceback, nothing written."""
+from __future__ import annotations
+
+import pytest
+
+from harness.preflight import plan
+from harness.validate import ConfigError
+from tests.conftest import run_cli
+
+NO_CUDA = lambda: False  # noqa: E731
+
+BAD = {  # override -> key the message must name
+    "strategy=paged": "strategy",
+    "model=llama9": "model",
+    "device=tpu": "device",
+    "dtype=int4": "dtype",
+    "batch=0": "batch",
+    "batch=-3": "batch",
+    "ctx=0": "ctx",
+    "decode_tokens=-1": "decode_tokens",
+    "batch=1.5": "batch",
+    "ctx=many": "ctx",
+    "model.n_heads=6": "model.n_heads",  # cpu_small has 2 KV heads: 6 % 2 == 0 but 512 % 6 != 0
+    "model.n_kv_heads=3": "model.n_heads",
+    "model.n_layers=0": "model.n_layers",
+    "prefill=sometimes": "prefill",
+    "no_such_key=1": "no_such_key",
+    "strategy=flash strategy.backend=triton": "strategy.backend",
+    "strategy=no_cache prefill=random": "prefill",
+    "device=cuda": "device",  # this machine has no CUDA device
+}
+
+
+@pytest.mark.parametrize("override", list(BAD))
+def test_bad_value_is_refused_with_the_key_named(override):
+    with pytest.raises(ConfigError) as refused:
+        plan(override.split(), cuda_available=NO_CUDA)
+    message = str(refused.value)
+    assert "\n" not in message
+    expected_key = "model.d_model" if override == "model.n_heads=6" else BAD[override]
+    assert message.startswith(f"{expected_key}:"), message
+
+
+def test_a_bad_point_anywhere_in_a_sweep_is_refused_before_the_first_runs():
+    with pytest.raises(ConfigError, match="^batch:"):
+        plan(["-m", "model=tiny", "batch=1,2,0"], cuda_available=NO_CUDA)
+
+
+def test_a_list_without_multirun_says_to_add_m():
+    with pytest.raises(ConfigError, match="-m"):
+        plan(["batch=1,2"], cuda_available=NO_CUDA)
+
+
+def test_unknown_option_lists_what_is_allowed():
+    with pytest.raises(ConfigError, match="allowed: .*contiguous.*flash.*no_cache"):
+        plan(["strategy=paged"], cuda_available=NO_CUDA)
+
+
+@pytest.mark.parametrize("args", [["strategy=paged"], ["batch=0"], ["-m", "model=tiny", "ctx=8,abc"],
+                                  ["model=llama3_70b", "device=cpu"]])
+def test_cli_exits_2_with_one_line_and_writes_nothing(results_dir, args):
+    result = run_cli(*args, f"results_dir={results_dir}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not results_dir.exists()
+
+
+def test_a_point_that_cannot_fit_names_bytes_needed_and_available(results_dir):
+    result = run_cli("model=llama3_70b", "device=cpu", f"results_dir={results_dir}")
+    assert result.returncode == 2
+    assert "does not fit in memory: needs ~" in result.stderr and "GiB available" in result.stderr

@@ -1,0 +1,91 @@
+"""Caching keys and values is exact: every strategy generates the no-cache reference's greedy tokens.
+
+Keys and values of past tokens depend only on those tokens and their positions, so storing them
+changes nothing; fp32 greedy decoding makes any difference visible as a different token.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategies import STRATEGIES, StrategyUnavailable
+from tests.conftest import GQA4, LLAMA3_8B_DEPTH1, TINY, cpu_model, generate
+
+CPU = torch.device("cpu")
+SHAPES = {
+    "tiny": (TINY, 3, 24, 32),  # shape, batch, prompt tokens, new tokens
+    "gqa4": (GQA4, 2, 40, 24),
+    "llama3_8b_width_depth1": (LLAMA3_8B_DEPTH1, 1, 6, 4),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def reference(request):
+    shape, batch, prompt_len, new_tokens = SHAPES[request.param]
+    model = cpu_model(shape)
+    prompt = torch.randint(shape.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    tokens = generate(STRATEGIES["no_cache"](), model, prompt, new_tokens)
+    yield model, prompt, new_tokens, tokens
+    del model
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "no_cache"])
+def test_strategy_generates_the_no_cache_tokens(reference, name):
+    model, prompt, new_tokens, expected = reference
+    strategy = STRATEGIES[name]()
+    try:
+        strategy.kernel(model.device, model.dtype)
+    except StrategyUnavailable as unavailable:
+        pytest.skip(f"{name} cannot run here: {unavailable}")
+    tokens = generate(strategy, model, prompt, new_tokens)
+    assert torch.equal(tokens, expected)
+
+
+def test_the_reference_is_not_degenerate():
+    """Equal outputs only prove something if the outputs vary: random weights must not collapse."""
+    model = cpu_model(GQA4)
+    prompt = torch.randint(GQA4.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    tokens = generate(STRATEGIES["no_cache"](), model, prompt, 24)
+    assert len(set(tokens.flatten().tolist())) > 10
+
+
+def test_a_wrong_cache_is_caught():
+    """The comparison has teeth: a cache that drops its oldest entry changes the tokens."""
+    from strategies.contiguous import ContiguousLayerCache
+
+    class ForgetfulCache(ContiguousLayerCache):
+        def attend(self, q, k, v, start_pos):
+            out = super().attend(q, k, v, start_pos)
+            self.k[:, :, 0].zero_()  # the first token's key is lost after every call
+            return out
+
+    class Forgetful(STRATEGIES["contiguous"]):
+        def new_session(self, model, batch, max_len):
+            session = super().new_session(model, batch, max_len)
+            c = model.cfg
+            session.layer_caches = [
+                ForgetfulCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype)
+                for _ in range(c.n_layers)
+            ]
+            return session
+
+    model = cpu_model(GQA4)
+    prompt = torch.randint(GQA4.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    expected = generate(STRATEGIES["no_cache"](), model, prompt, 16)
+    assert not torch.equal(generate(Forgetful(), model, prompt, 16), expected)
+
+
+def test_flash_is_skipped_with_a_reason_on_cpu():
+    with pytest.raises(StrategyUnavailable, match="CUDA"):
+        STRATEGIES["flash"]().kernel(CPU, torch.float32)
+
+
+def test_bf16_activations_stay_finite_at_depth():
+    """Weights are scaled so a 126-layer stack (the 405B depth) stays finite in bf16."""
+    from harness.config import ModelConfig
+
+    deep = ModelConfig(name="deep", vocab_size=256, d_model=64, n_layers=126, n_heads=4, n_kv_heads=2, ffn_dim=176)
+    model = cpu_model(deep, dtype=torch.bfloat16)
+    prompt = torch.randint(256, (1, 8), generator=torch.Generator().manual_seed(0))
+    logits = STRATEGIES["contiguous"]().new_session(model, 1, 8).prefill(prompt)
+    assert torch.isfinite(logits.float()).all()

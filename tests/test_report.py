@@ -1,0 +1,131 @@
+"""The report and harness.results on a generated results folder (tests/report_fixtures.py)."""
+from __future__ import annotations
+
+import base64
+import shutil
+from html.parser import HTMLParser
+
+import pandas as pd
+import pytest
+
+from harness.report.__main__ import main as report_main
+from harness.report.build import build_report
+from harness.results import load
+from tests.report_fixtures import SLOWDOWN, write_results
+
+VOID_TAGS = {"meta", "img", "br", "hr", "link", "input"}
+
+
+class StructureCheck(HTMLParser):
+    """Collects images and checks that every opened tag is closed in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.open: list[str] = []
+        self.images: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+        if tag not in VOID_TAGS:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.open[-1:] or 'nothing'}")
+        else:
+            self.open.pop()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One report built on the full fixture (plots take seconds: build it once for all checks)."""
+    folder = write_results(tmp_path_factory.mktemp("results"))
+    return folder, build_report(folder)
+
+
+def test_report_writes_markdown_html_and_plots(report):
+    folder, files = report
+    assert files.markdown == folder / "_report" / "report.md" and files.markdown.is_file()
+    assert files.html == folder / "_report" / "index.html" and files.html.is_file()
+    assert len(files.figures) == 5
+    for png in files.figures:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png.name})" in files.markdown.read_text()
+
+
+def test_html_parses_and_embeds_every_plot(report):
+    _, files = report
+    check = StructureCheck()
+    check.feed(files.html.read_text())
+    check.close()
+    assert not check.errors and check.open == []
+    assert len(check.images) == len(files.figures)
+    for src in check.images:  # self-contained: no image is a link to a file
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:4] == b"\x89PNG"
+
+
+def test_report_names_every_section_and_answer(report):
+    _, files = report
+    text = files.markdown.read_text()
+    for needle in ("Every row beside its prediction", "Answers to the questions of GUIDE section 1",
+                   "327,680 B (320 KiB)", "430,626 tokens", "9 of 9 points generated exactly the tokens",
+                   "Equal batch × tokens", "measured: calibration cpu__float32.json"):
+        assert needle in text, needle
+
+
+def test_skipped_failed_rows_and_bad_files_are_listed_with_reasons(report):
+    _, files = report
+    text = files.markdown.read_text()
+    section = text[text.index("## Rows and files not measured"):]
+    assert "flash needs CUDA" in section and "out of memory allocating the cache" in section
+    assert "corrupt.parquet" in section and "corrupt Parquet" in section
+    assert "foreign.parquet" in section and "not a harness row" in section
+    assert "notes.txt" in section
+
+
+def test_load_joins_the_prediction_to_every_row(report):
+    folder, _ = report
+    df = load(folder)
+    assert len(df) == 20 and set(df["status"]) == {"ok", "skipped", "failed"}
+    ok = df[df["status"] == "ok"]
+    for strategy, slowdown in SLOWDOWN.items():  # the fixture measured exactly slowdown x the roofline
+        ratios = ok.loc[ok["strategy"] == strategy, "ratio_decode_step_s"]
+        assert ratios.to_numpy() == pytest.approx(slowdown)
+    cached = ok[ok["strategy"] == "contiguous"]
+    assert cached["ratio_kv_cache_bytes"].to_numpy() == pytest.approx(1.0)
+    assert cached["ratio_bytes_per_step_model"].to_numpy() == pytest.approx(1.0, abs=1e-6)
+    assert set(df["roof_source"]) == {"measured"}
+    assert {p.rsplit("/", 1)[-1] for p, _ in df.attrs["skipped_files"]} == {
+        "corrupt.parquet", "foreign.parquet", "notes.txt"}
+
+
+def test_report_folder_does_not_break_read_parquet_of_the_results(report, tmp_path):
+    folder = write_results(tmp_path, awkward=False, batches=(1,), contexts=(64,))
+    shutil.copytree(report[1].markdown.parent, folder / "_report")  # a real report, without rebuilding it
+    assert len(pd.read_parquet(folder)) == 2  # _report/ and _calibration/ are skipped by pyarrow
+
+
+def test_without_calibration_the_report_says_which_datasheet_stands_in(tmp_path):
+    folder = write_results(tmp_path, calibration=False, awkward=False, batches=(1,), contexts=(64, 256))
+    df = load(folder)
+    assert set(df["roof_source"]) == {"datasheet"}
+    assert df["roof_description"].str.contains("h100_sxm").all()
+    assert df["roof_description"].str.contains("stand-in").all()
+
+
+def test_empty_folder_gets_a_message_not_a_traceback(tmp_path, capsys):
+    assert report_main([f"results_dir={tmp_path}"]) == 0
+    text = (tmp_path / "_report" / "report.md").read_text()
+    assert "No rows to report" in text
+    assert (tmp_path / "_report" / "index.html").is_file()
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
+    assert report_main([f"results_dir={tmp_path / 'missing'}"]) == 2
+    assert capsys.readouterr().err.strip().startswith("results_dir:")
+    assert report_main([f"results_dir={tmp_path}", "hardware=tpu"]) == 2
+    assert capsys.readouterr().err.strip().startswith("hardware:")
+    assert report_main(["colour=blue"]) == 2

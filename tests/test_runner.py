@@ -1,0 +1,116 @@
+"""The runner end to end: rows, resume, kills, failures, memory isolation, the Parquet schema."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from harness.schema import COLUMN_NAMES, SCHEMA
+from tests.conftest import REPO_ROOT, run_cli
+
+TINY_SWEEP = ["-m", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    results = tmp_path_factory.mktemp("sweep") / "results"
+    result = run_cli(*TINY_SWEEP, f"results_dir={results}")
+    assert result.returncode == 0, result.stderr
+    return results, result
+
+
+def test_one_row_per_point_readable_with_pandas(swept):
+    results, _ = swept
+    frame = pd.read_parquet(results)
+    assert len(frame) == 12 and list(frame.columns) == COLUMN_NAMES
+    assert set(frame.status) == {"ok", "skipped"}
+    assert (frame[frame.strategy == "flash"].status == "skipped").all()
+    assert frame[frame.strategy == "flash"].reason.str.contains("CUDA").all()
+    assert frame[frame.status == "ok"].kernel.notna().all()
+
+
+def test_every_file_has_the_schema(swept):
+    results, _ = swept
+    for path in results.glob("*.parquet"):
+        assert pq.read_schema(path).remove_metadata().equals(SCHEMA)
+
+
+def test_strategies_agree_token_for_token_through_the_runner(swept):
+    frame = pd.read_parquet(swept[0])
+    ok = frame[frame.status == "ok"]
+    digests = ok.groupby(["batch", "ctx"]).tokens_digest.nunique()
+    assert (digests == 1).all() and len(digests) == 4
+
+
+def test_contiguous_cache_bytes_are_exact(swept):
+    frame = pd.read_parquet(swept[0])
+    rows = frame[frame.strategy == "contiguous"]
+    expected = 2 * rows.n_layers * rows.n_kv_heads * rows.head_dim * 4 * rows.batch * (rows.ctx + rows.decode_tokens)
+    assert (rows.kv_cache_bytes == expected).all()
+    assert (frame[frame.strategy == "no_cache"].kv_cache_bytes == 0).all()
+
+
+def test_progress_names_point_i_of_n(swept):
+    log = swept[1].stdout + swept[1].stderr
+    assert "[1/12]" in log and "[12/12]" in log and "left)" in log
+
+
+def test_rerun_skips_finished_points_unless_overwrite(swept):
+    results, _ = swept
+    before = {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")}
+    again = run_cli(*TINY_SWEEP, f"results_dir={results}")
+    assert again.returncode == 0 and "12 already measured" in again.stdout + again.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")} == before
+    redo = run_cli("model=tiny", "batch=1", "ctx=8", "decode_tokens=6", "strategy=contiguous", "overwrite=true",
+                   f"results_dir={results}")
+    assert redo.returncode == 0
+    after = {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")}
+    assert len(after) == 12 and sum(after[n] != before[n] for n in after) == 1
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
+    result = run_cli("-m", "model=tiny", "decode_tokens=4", "ctx=8", "batch=1,2",
+                     "strategy._target_=tests.failing.ExplodingStrategy", f"results_dir={results_dir}")
+    assert result.returncode == 1  # the sweep finished, and says some point failed
+    frame = pd.read_parquet(results_dir)
+    assert len(frame) == 2 and (frame.status == "failed").all()
+    assert frame.reason.str.contains("kernel error planted by the test").all()
+
+
+def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
+    args = ["-m", "model=tiny", "strategy=no_cache,contiguous", "batch=1,2,3", "ctx=8,16", "decode_tokens=40",
+            f"results_dir={results_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    sweep = subprocess.Popen([sys.executable, "-m", "harness.run", *args], cwd=REPO_ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(results_dir.glob("*.parquet"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its point processes, mid-flight
+    sweep.wait()
+    first = {p.name: p.stat().st_mtime_ns for p in results_dir.glob("*.parquet")}
+    assert 3 <= len(first) < 12
+    assert len(pd.read_parquet(results_dir)) == len(first)  # only whole rows are visible
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    final = {p.name: p.stat().st_mtime_ns for p in results_dir.glob("*.parquet")}
+    assert len(final) == 12 and all(final[name] == mtime for name, mtime in first.items())
+    assert not list(results_dir.glob(".*.tmp-*"))
+
+
+def test_a_small_point_after_a_large_one_shows_its_own_peak(results_dir):
+    # Large: 256 sequences x 1040 tokens x 512 B/token = 136 MB of cache. Small: 1 x 20 tokens.
+    result = run_cli("-m", "model=tiny", "strategy=contiguous", "batch=256,1", "ctx=1024,16", "decode_tokens=4",
+                     f"results_dir={results_dir}")
+    assert result.returncode == 0, result.stderr
+    frame = pd.read_parquet(results_dir).set_index(["batch", "ctx"])
+    large, small = frame.loc[(256, 1024)], frame.loc[(1, 16)]
+    assert large.kv_cache_bytes > 100e6
+    assert large.peak_memory_bytes >= large.kv_cache_bytes
+    assert small.peak_memory_bytes < large.peak_memory_bytes - 0.8 * large.kv_cache_bytes
