@@ -23,10 +23,15 @@ class ContiguousLayerCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def attend(self, q, k, v, start_pos):
+    def write(self, k, v, start_pos: int) -> int:
+        """Store the new tokens' k/v [B, T, n_kv, D] at start_pos..; returns the filled length."""
         end = start_pos + k.shape[1]
-        self.k[:, :, start_pos:end] = k.transpose(1, 2)  # k [B, T, n_kv, D] -> [B, n_kv, T, D]
+        self.k[:, :, start_pos:end] = k.transpose(1, 2)  # -> [B, n_kv, T, D]
         self.v[:, :, start_pos:end] = v.transpose(1, 2)
+        return end
+
+    def attend(self, q, k, v, start_pos):
+        end = self.write(k, v, start_pos)
         return grouped_attention(q, self.k[:, :, :end], self.v[:, :, :end], q_offset=start_pos)
 
 

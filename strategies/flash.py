@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from strategies.base import CachedSession, Strategy, StrategyUnavailable
+from strategies.contiguous import ContiguousLayerCache
 
 BACKENDS = ("flash_attn", "torch")
 KERNELS = {
@@ -46,30 +47,21 @@ class FlashAttnLayerCache:
         return self.kernel(q, self.k, self.v, k=k, v=v, cache_seqlens=self.seqlens, causal=True)
 
 
-class TorchFlashLayerCache:
-    """Cache written in place; attention by SDPA restricted to the FLASH_ATTENTION backend."""
-
-    seq_dim = 2  # position axis of k and v
+class TorchFlashLayerCache(ContiguousLayerCache):
+    """The contiguous table [B, n_kv, S, D]; attention by SDPA restricted to FLASH_ATTENTION."""
 
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
         self.only_flash = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
-        self.v = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
     def attend(self, q, k, v, start_pos):
         seq_len = q.shape[1]
         if seq_len > 1 and start_pos > 0:
             # SDPA's is_causal aligns top-left; chunked prefill would need bottom-right alignment.
             raise ValueError("torch flash backend: multi-token steps only from position 0")
-        end = start_pos + seq_len
-        self.k[:, :, start_pos:end] = k.transpose(1, 2)
-        self.v[:, :, start_pos:end] = v.transpose(1, 2)
+        end = self.write(k, v, start_pos)
         with self.only_flash():
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),  # [B, H, T, D]

@@ -89,3 +89,24 @@ def test_bf16_activations_stay_finite_at_depth():
     prompt = torch.randint(256, (1, 8), generator=torch.Generator().manual_seed(0))
     logits = STRATEGIES["contiguous"]().new_session(model, 1, 8).prefill(prompt)
     assert torch.isfinite(logits.float()).all()
+
+
+def test_torch_flash_cache_bookkeeping_is_exact():
+    """The `torch` flash backend's cache logic (in-place writes, GQA, causal prefill) proven on a CPU.
+
+    PyTorch's FLASH_ATTENTION SDPA backend has a CPU implementation, so the layer cache can run here
+    even though the strategy itself declares CUDA-only (as specified) and is skipped on CPU points.
+    """
+    from strategies.base import CachedSession
+    from strategies.flash import TorchFlashLayerCache
+
+    model = cpu_model(GQA4)
+    c = GQA4
+    prompt = torch.randint(c.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    session = CachedSession(model, [
+        TorchFlashLayerCache(2, c.n_kv_heads, 32, c.resolved_head_dim, CPU, torch.float32) for _ in range(c.n_layers)
+    ], max_len=32)
+    tokens = [session.prefill(prompt).argmax(-1)]
+    for _ in range(16):
+        tokens.append(session.step(tokens[-1]).argmax(-1))
+    assert torch.equal(torch.stack(tokens, 1), generate(STRATEGIES["no_cache"](), model, prompt, 16))
