@@ -9,21 +9,40 @@ from harness.points import Point
 from harness.schema import COLUMN_NAMES
 
 
+def step_contexts(point: Point) -> range:
+    """Context (tokens before the fed one) of each timed decode step: ctx, ctx + 1, ..."""
+    return range(point.ctx, point.ctx + point.decode_tokens)
+
+
 def mean_step_bytes(point: Point, caches_kv: bool) -> int:
-    """Bytes per decode step from the analytic model, averaged over the timed steps.
-
-    Timed step j (1-based) feeds the token at position ctx + j - 1 and reads the ctx + j - 1 cached
-    tokens before it; bytes are linear in context, so the mean is the step at the mean context.
-    """
-    n = point.decode_tokens
-    total = sum(
-        analytic.decode_step_bytes(point.model, point.dtype, point.batch, point.ctx + j - 1, cached=caches_kv)["total"]
-        for j in range(1, n + 1)
-    )
-    return round(total / n)
+    """Bytes a decode step must move per the analytic model, averaged over the timed steps (the
+    median time is set against the mean step: bytes grow linearly over the steps)."""
+    per_step = [
+        analytic.decode_step_bytes(point.model, point.dtype, point.batch, c, cached=caches_kv)["total"]
+        for c in step_contexts(point)
+    ]
+    return round(sum(per_step) / len(per_step))
 
 
-def build_row(point: Point, measured: dict, caches_kv: bool) -> dict:
+def mean_step_flops(point: Point, caches_kv: bool) -> float:
+    per_step = [analytic.decode_step_flops(point.model, point.batch, c, cached=caches_kv) for c in step_contexts(point)]
+    return sum(per_step) / len(per_step)
+
+
+def roof_columns(row: dict, roofs) -> dict:
+    """The roofs the row is judged against and the fractions of them the measured step reached."""
+    if roofs is None:
+        return {}
+    columns = {"roof_bandwidth_Bps": roofs.read_bandwidth_Bps, "roof_flops": roofs.matmul_flops}
+    if row["status"] == "ok":
+        step = row["decode_step_s"]
+        columns["bandwidth_fraction"] = row["bytes_per_step_model"] / step / roofs.read_bandwidth_Bps
+        columns["flops_fraction"] = row["flops_per_step_model"] / step / roofs.matmul_flops
+    return columns
+
+
+def build_row(point: Point, measured: dict, caches_kv: bool, roofs=None) -> dict:
+    """`roofs`: a harness.calibrate.Calibration for the point's device and dtype, or None."""
     shape = point.model
     row = {
         "strategy": point.strategy_name,
@@ -43,6 +62,7 @@ def build_row(point: Point, measured: dict, caches_kv: bool) -> dict:
         "prefill_mode": point.prefill,
         "weight_bytes": analytic.weight_bytes(shape, point.dtype),
         "bytes_per_step_model": mean_step_bytes(point, caches_kv),
+        "flops_per_step_model": mean_step_flops(point, caches_kv),
         "bytes_per_step_measured": None,
         "traffic_source": "model",
         "seed": point.seed,
@@ -51,4 +71,5 @@ def build_row(point: Point, measured: dict, caches_kv: bool) -> dict:
         **run_metadata(),
     }
     row.update({k: v for k, v in measured.items() if k in COLUMN_NAMES})
+    row.update(roof_columns(row, roofs))
     return {name: row.get(name) for name in COLUMN_NAMES}

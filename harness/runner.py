@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
+from harness import calibrate
 from harness.config import register_schemas
 from harness.isolation import run_inline, run_isolated
 from harness.measure import measure_point
@@ -49,6 +50,26 @@ class Progress:
 
 
 PROGRESS = Progress()
+CALIBRATIONS: dict = {}  # (results_dir, device, dtype) -> Calibration, once per process
+
+
+def roofs_for(cfg, point, run):
+    """Stored roofs for the point's device and dtype, measured first if missing (or once per process
+    when calibrate=true). A failed calibration leaves the roofs null rather than stopping the sweep."""
+    key = (cfg.results_dir, point.device, point.dtype)
+    if key not in CALIBRATIONS:
+        try:
+            record, measured_now = calibrate.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run)
+        except RuntimeError as error:
+            log.warning(f"{error}; rows of {point.device}/{point.dtype} get no roofs")
+            record, measured_now = None, False
+        if measured_now:
+            log.info(
+                f"calibrated {point.device}/{point.dtype}: read {record.read_bandwidth_Bps / 1e9:.1f} GB/s, "
+                f"matmul {record.matmul_flops / 1e12:.3f} TFLOP/s -> {calibrate.record_path(*key)}"
+            )
+        CALIBRATIONS[key] = record
+    return CALIBRATIONS[key]
 
 
 def _clock(seconds: float) -> str:
@@ -58,7 +79,9 @@ def _clock(seconds: float) -> str:
 
 def _outcome(row: dict) -> str:
     if row["status"] == "ok":
-        return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s"
+        fraction = row["bandwidth_fraction"]
+        of_roof = f", {fraction:.0%} of read roof" if fraction is not None else ""
+        return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s{of_roof}"
     return f"{row['status']}: {row['reason']}"
 
 
@@ -71,9 +94,11 @@ def run_point(cfg) -> None:
         log.info(PROGRESS.line(point.label(), "already measured, skipped (overwrite=true re-runs it)"))
         return
     strategy = instantiate(point.strategy)
+    run = run_isolated if cfg.isolate else run_inline
+    roofs = roofs_for(cfg, point, run)
     began = time.monotonic()
-    measured = (run_isolated if cfg.isolate else run_inline)(measure_point, point)
-    row = build_row(point, measured, strategy.caches_kv)
+    measured = run(measure_point, point)
+    row = build_row(point, measured, strategy.caches_kv, roofs)
     write_row(cfg.results_dir, row)
     if row["status"] != "skipped":
         PROGRESS.measured_seconds.append(time.monotonic() - began)

@@ -1,0 +1,93 @@
+"""Measurement fidelity: calibration kept and reused, fractions from the row's own columns,
+prefill=random measuring the same decode path as a computed prompt."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from harness import calibrate
+from harness.measure import measure_point
+from harness.points import Point
+from harness.config import TimingConfig
+from tests.conftest import TINY, run_cli
+
+CONTIGUOUS = {"_target_": "strategies.contiguous.ContiguousStrategy", "name": "contiguous", "backend": "auto"}
+
+
+@pytest.fixture(scope="module")
+def calibrated_run(tmp_path_factory):
+    results = tmp_path_factory.mktemp("calibration") / "results"
+    first = run_cli("model=tiny", "ctx=16", "decode_tokens=4", f"results_dir={results}")
+    assert first.returncode == 0, first.stderr
+    return results, first
+
+
+def test_calibration_is_stored_with_its_timestamp(calibrated_run):
+    results, first = calibrated_run
+    record = json.loads(calibrate.record_path(results, "cpu", "float32").read_text())
+    assert record["read_bandwidth_Bps"] > 1e9 and record["matmul_flops"] > 1e9
+    assert record["timestamp"] and "calibrated cpu/float32" in first.stderr + first.stdout
+
+
+def test_calibration_is_reused_until_forced(calibrated_run):
+    results, _ = calibrated_run
+    path = calibrate.record_path(results, "cpu", "float32")
+    before = path.read_text()
+    again = run_cli("model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
+    assert again.returncode == 0 and "calibrated" not in again.stderr + again.stdout
+    assert path.read_text() == before
+    forced = run_cli("model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", f"results_dir={results}")
+    assert forced.returncode == 0 and "calibrated cpu/float32" in forced.stderr + forced.stdout
+    assert path.read_text() != before
+
+
+def test_fractions_are_computed_from_the_rows_own_columns(calibrated_run):
+    rows = pd.read_parquet(calibrated_run[0])
+    assert len(rows) >= 1
+    expected_bw = rows.bytes_per_step_model / rows.decode_step_s / rows.roof_bandwidth_Bps
+    expected_flops = rows.flops_per_step_model / rows.decode_step_s / rows.roof_flops
+    assert (rows.bandwidth_fraction - expected_bw).abs().max() < 1e-12
+    assert (rows.flops_fraction - expected_flops).abs().max() < 1e-12
+
+
+def test_a_record_from_another_host_is_not_reused(tmp_path):
+    record = calibrate.Calibration("cpu", "x", "another-host", "float32", 1.0, 1.0, 1.0, 1.0, "t", "m")
+    calibrate.save(tmp_path, record)
+    assert calibrate.load(tmp_path, "cpu", "float32") is None
+
+
+def point(prefill: str) -> Point:
+    return Point(model=TINY, strategy=CONTIGUOUS, timing=TimingConfig(), batch=2, ctx=24, decode_tokens=4,
+                 device="cpu", dtype="float32", seed=0, prefill=prefill, traffic="model")
+
+
+def test_random_prefill_fills_the_same_cache_and_times_the_same_steps(monkeypatch):
+    steps = {}
+    real_step = __import__("strategies.base", fromlist=["CachedSession"]).CachedSession.step
+
+    def counting_step(self, token):
+        steps.setdefault(self.layer_caches[0].k.data_ptr(), []).append(self.length)
+        return real_step(self, token)
+
+    monkeypatch.setattr("strategies.base.CachedSession.step", counting_step)
+    computed, random = measure_point(point("compute")), measure_point(point("random"))
+    for row in (computed, random):
+        assert row["status"] == "ok" and row["decode_steps_timed"] == 4
+    assert computed["kv_cache_bytes"] == random["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 * (24 + 4)
+    assert computed["prefill_s"] is not None and random["prefill_s"] is None
+    positions = [p[-4:] for p in steps.values()]  # the timed steps feed positions 24..27 in both modes
+    assert positions == [[24, 25, 26, 27]] * 2
+
+
+def test_random_prefill_writes_random_keys_and_values():
+    from strategies import STRATEGIES
+    from tests.conftest import cpu_model
+
+    session = STRATEGIES["contiguous"]().new_session(cpu_model(TINY), 2, 32)
+    session.fill_random(24, torch.Generator().manual_seed(0))
+    cache = session.layer_caches[0]
+    assert session.length == 24
+    assert cache.k[:, :, :24].std() > 0.5 and (cache.k[:, :, 24:] == 0).all()
