@@ -35,6 +35,22 @@ def not_run(status: str, reason: str, **extra) -> dict:
     return {"status": status, "reason": reason, **extra}
 
 
+def start_decode(point: Point, session, generator: torch.Generator, timer: StepTimer | None = None):
+    """Bring a fresh session to the first decode position: run the prompt (timed when a timer is
+    given) or, with prefill=random, fill the cache with random K/V. Returns (first token [B],
+    prefill seconds or None). The random draws come in one fixed order, so every caller that seeds
+    the same generator gets the same prompt, cache and tokens."""
+    vocab = point.model.vocab_size
+    if point.prefill == "random":
+        session.fill_random(point.ctx, generator)
+        return torch.randint(vocab, (point.batch,), generator=generator, device=generator.device), None
+    prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
+    if timer is None:
+        return session.prefill(prompt).argmax(-1), None
+    logits, seconds = timer.time(lambda: session.prefill(prompt))
+    return logits.argmax(-1), seconds
+
+
 def measure_point(point: Point) -> dict:
     device, dtype = torch.device(point.device), getattr(torch, point.dtype)
     strategy = instantiate(point.strategy)
@@ -44,7 +60,8 @@ def measure_point(point: Point) -> dict:
     except StrategyUnavailable as unavailable:
         return not_run("skipped", str(unavailable), kernel=None, **common)
 
-    need = required_bytes(point.model, point.dtype, strategy.caches_kv, point.batch, point.ctx, point.decode_tokens)
+    need = required_bytes(point.model, point.dtype, strategy.caches_kv, point.batch, point.ctx, point.decode_tokens,
+                           point.prefill)
     have = available_bytes(point.device)
     if need > have:
         reason = f"does not fit in memory: needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB available"
@@ -57,14 +74,7 @@ def measure_point(point: Point) -> dict:
     timer = StepTimer(device, cold_cache=point.timing.cold_cache)
     generator = torch.Generator(device=device).manual_seed(point.seed)
 
-    if point.prefill == "compute":
-        prompt = torch.randint(point.model.vocab_size, (point.batch, point.ctx), generator=generator, device=device)
-        first_logits, prefill_s = timer.time(lambda: session.prefill(prompt))
-        first_token = first_logits.argmax(-1)  # [B]
-    else:
-        session.fill_random(point.ctx, generator)
-        first_token = torch.randint(point.model.vocab_size, (point.batch,), generator=generator, device=device)
-        prefill_s = None
+    first_token, prefill_s = start_decode(point, session, generator, timer)
 
     def first_step_again() -> float:
         _, seconds = timer.time(lambda: session.step(first_token))

@@ -70,19 +70,22 @@ def available_bytes(device: str) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def required_bytes(shape, dtype: str, strategy_caches_kv: bool, batch: int, ctx: int, decode_tokens: int) -> int:
+def required_bytes(shape, dtype: str, caches_kv: bool, batch: int, ctx: int, decode_tokens: int,
+                   prefill: str = "compute") -> int:
     """A conservative estimate of a point's peak: weights, cache, and the largest transient tensors.
 
-    Transients: the no-cache forward pass over the whole sequence holds one layer's activations for
-    B*S tokens (residual, q/k/v, the two MLP branches) plus one head's worth of attention scores per
-    KV group; a cached step holds the same for one token. Logits are batch * vocab.
+    The largest forward pass runs T tokens per sequence: the whole sequence for no_cache, the prompt
+    for a computed prefill, one token with prefill=random. It holds one layer's activations for B*T
+    tokens (residual, q/k/v, the MLP branches) and, for T > 1, the causal mask of the grouped
+    attention (G*T x T booleans). Attention scores are not materialised: SDPA's CPU and CUDA kernels
+    work block by block. Logits are fp32, batch x vocab.
     """
     elem = analytic.dtype_bytes(dtype)
     seq = ctx + decode_tokens
-    tokens = batch * (seq if not strategy_caches_kv else ctx)  # prefill processes the prompt at once
+    tokens = seq if not caches_kv else (ctx if prefill == "compute" else 1)
     hd = shape.resolved_head_dim
-    activations = tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
-    scores = batch * shape.n_heads * ctx * seq * elem  # math attention over the prompt (prefill or recompute)
-    cache = analytic.kv_cache_bytes(shape, dtype, batch, seq) if strategy_caches_kv else 0
+    activations = batch * tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
+    mask = (shape.n_heads // shape.n_kv_heads) * tokens * tokens if tokens > 1 else 0
+    cache = analytic.kv_cache_bytes(shape, dtype, batch, seq) if caches_kv else 0
     logits = batch * shape.vocab_size * 4
-    return analytic.weight_bytes(shape, dtype) + cache + activations + scores + logits
+    return analytic.weight_bytes(shape, dtype) + cache + activations + mask + logits

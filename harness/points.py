@@ -47,6 +47,11 @@ class Point:
         return f"{self.strategy_name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}"
 
 
+def point_from_identity(identity: dict) -> Point:
+    """Inverse of Point.identity(): the nested dataclasses come back from their dicts."""
+    return Point(**{**identity, "model": ModelConfig(**identity["model"]), "timing": TimingConfig(**identity["timing"])})
+
+
 def cuda_available() -> bool:
     import torch  # imported here: resolving `auto` is the only reason the parent process needs torch
 
@@ -61,9 +66,9 @@ def resolve_traffic(traffic: str, device: str) -> str:
     """`auto` uses Nsight Compute where it can read DRAM counters (CUDA with ncu on PATH)."""
     if traffic != "auto":
         return traffic
-    import shutil
+    from harness.ncu import ncu_executable
 
-    return "ncu" if device == "cuda" and shutil.which("ncu") else "model"
+    return "ncu" if device == "cuda" and ncu_executable() else "model"
 
 
 def point_from_config(cfg) -> Point:

@@ -85,6 +85,17 @@ def _outcome(row: dict) -> str:
     return f"{row['status']}: {row['reason']}"
 
 
+def measured_traffic(point) -> dict:
+    """DRAM bytes per step from Nsight Compute; on failure the row keeps traffic_source=model."""
+    from harness.ncu import measure_traffic
+
+    try:
+        return measure_traffic(point)
+    except RuntimeError as error:
+        log.warning(f"{point.label()}: ncu traffic not measured, traffic_source stays model: {error}")
+        return {}
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
 def run_point(cfg) -> None:
     point = point_from_config(cfg)
@@ -98,6 +109,8 @@ def run_point(cfg) -> None:
     roofs = roofs_for(cfg, point, run)
     began = time.monotonic()
     measured = run(measure_point, point)
+    if point.traffic == "ncu" and measured.get("status") == "ok":
+        measured.update(measured_traffic(point))
     row = build_row(point, measured, strategy.caches_kv, roofs)
     write_row(cfg.results_dir, row)
     if row["status"] != "skipped":
@@ -138,7 +151,8 @@ def _refuse_single_point_that_cannot_fit(the_plan) -> None:
     from harness.memory import GIB, available_bytes, required_bytes
 
     caches_kv = instantiate(point.strategy).caches_kv
-    need = required_bytes(point.model, point.dtype, caches_kv, point.batch, point.ctx, point.decode_tokens)
+    need = required_bytes(point.model, point.dtype, caches_kv, point.batch, point.ctx, point.decode_tokens,
+                           point.prefill)
     have = available_bytes("cpu")
     if need > have:
         raise ConfigError(

@@ -100,3 +100,8 @@ def validate(cfg, cuda_available) -> None:
         raise ConfigError("timing.cuda_graphs", "needs CUDA; this point runs on cpu")
     if on_cpu and cfg.traffic == "ncu":
         raise ConfigError("traffic", "ncu reads GPU DRAM counters and needs CUDA; on cpu use auto or model")
+    if cfg.traffic == "ncu":
+        from harness.ncu import NCU_ENV, ncu_executable
+
+        if ncu_executable() is None:
+            raise ConfigError("traffic", f"ncu was asked for but is not on PATH (nor named by ${NCU_ENV}); allowed: auto, model")
