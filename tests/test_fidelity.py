@@ -65,21 +65,27 @@ def point(prefill: str) -> Point:
 
 
 def test_random_prefill_fills_the_same_cache_and_times_the_same_steps(monkeypatch):
-    steps = {}
-    real_step = __import__("strategies.base", fromlist=["CachedSession"]).CachedSession.step
+    from strategies.base import CachedSession
 
-    def counting_step(self, token):
-        steps.setdefault(self.layer_caches[0].k.data_ptr(), []).append(self.length)
+    fed_positions = []
+    real_step = CachedSession.step
+
+    def recording_step(self, token):
+        fed_positions.append(self.length)
         return real_step(self, token)
 
-    monkeypatch.setattr("strategies.base.CachedSession.step", counting_step)
-    computed, random = measure_point(point("compute")), measure_point(point("random"))
+    monkeypatch.setattr(CachedSession, "step", recording_step)
+    timed = {}
+    for mode in ("compute", "random"):
+        fed_positions.clear()
+        timed[mode] = measure_point(point(mode))
+        assert fed_positions[-4:] == [24, 25, 26, 27]  # the timed steps, same positions in both modes
+        assert set(fed_positions[:-4]) == {24}  # warm-up repeats the first decode position
+    computed, random = timed["compute"], timed["random"]
     for row in (computed, random):
         assert row["status"] == "ok" and row["decode_steps_timed"] == 4
     assert computed["kv_cache_bytes"] == random["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 4 * 2 * (24 + 4)
     assert computed["prefill_s"] is not None and random["prefill_s"] is None
-    positions = [p[-4:] for p in steps.values()]  # the timed steps feed positions 24..27 in both modes
-    assert positions == [[24, 25, 26, 27]] * 2
 
 
 def test_random_prefill_writes_random_keys_and_values():
