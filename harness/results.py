@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -96,18 +95,20 @@ def shape_of(row) -> ModelConfig:
 
 def roof_for_row(row, results_dir, fallback: str = DEFAULT_FALLBACK_HARDWARE) -> RowRoof:
     """Measured roofs where a calibration exists, a datasheet otherwise, in this order:
-    a calibration file for the row's device and dtype; the calibrated roofs recorded in the row;
-    the datasheet matching a CUDA device name; the fallback datasheet (said to be a stand-in)."""
+    the calibrated roofs recorded in the row (what it was judged against when it ran: a later
+    recalibration does not rewrite it); a calibration file for the row's device and dtype (rows written
+    before the runner recorded roofs); the datasheet matching a CUDA device name; the fallback
+    datasheet (said to be a stand-in)."""
     dtype, device = str(row["dtype"]), str(row["device"])
     device_name = str(row.get("device_name") or "")
-    record = find_calibration(results_dir, dtype, device, device_name)
-    if record is not None:
-        return RowRoof(Roof(record.matmul_flops, record.read_bandwidth_Bps), "measured",
-                       f"measured: calibration {record.path.name} ({record.device_name or device}, {record.timestamp})")
     bandwidth, flops = row.get("roof_bandwidth_Bps"), row.get("roof_flops")
     if _present(bandwidth) and _present(flops):
         return RowRoof(Roof(float(flops), float(bandwidth)), "measured",
                        f"measured: calibrated roofs recorded in the rows ({device_name or device})")
+    record = find_calibration(results_dir, dtype, device, device_name)
+    if record is not None:
+        return RowRoof(Roof(record.matmul_flops, record.read_bandwidth_Bps), "measured",
+                       f"measured: calibration {record.path.name} ({record.device_name or device}, {record.timestamp})")
     name = datasheet_for_device_name(device_name) if device == "cuda" else None
     reason = f"datasheet matching '{device_name}'"
     if name is None:

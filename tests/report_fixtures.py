@@ -72,8 +72,9 @@ def write_calibration(folder: Path) -> Path:
 
 
 def write_results(folder, calibration: bool = True, awkward: bool = True,
-                  batches=(1, 4, 16), contexts=(64, 256, 1024)) -> Path:
-    """A results folder: no_cache and contiguous at every batch x ctx, plus the awkward cases."""
+                  batches=(1, 4, 16), contexts=(64, 256, 1024), row_roofs: bool = False) -> Path:
+    """A results folder: no_cache and contiguous at every batch x ctx, plus the awkward cases.
+    row_roofs: record the CPU roofs in each row, as the runner does once it has calibrated."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rows = [row(s, b, c) for s in ("no_cache", "contiguous") for b in batches for c in contexts]
@@ -81,6 +82,8 @@ def write_results(folder, calibration: bool = True, awkward: bool = True,
         rows.append(row("flash", 1, 64, "skipped", "flash needs CUDA and float16/bfloat16; this point is cpu float32"))
         rows.append(row("contiguous", 64, 4096, "failed", "RuntimeError: out of memory allocating the cache"))
     for r in rows:
+        if row_roofs:
+            r.update(roof_bandwidth_Bps=CPU_ROOF.bytes_per_s, roof_flops=CPU_ROOF.flops_per_s)
         pd.DataFrame([r]).to_parquet(folder / f"{r['point_key']}.parquet", index=False)
     if awkward:
         (folder / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file")

@@ -116,6 +116,15 @@ def test_without_calibration_the_report_says_which_datasheet_stands_in(tmp_path)
     assert df["roof_description"].str.contains("stand-in").all()
 
 
+def test_roofs_recorded_in_the_rows_come_first(tmp_path):
+    folder = write_results(tmp_path, calibration=False, awkward=False, batches=(1,), contexts=(64,), row_roofs=True)
+    df = load(folder)
+    assert set(df["roof_source"]) == {"measured"}
+    assert df["roof_description"].str.contains("recorded in the rows").all()
+    for _, row in df.iterrows():
+        assert row["ratio_decode_step_s"] == pytest.approx(SLOWDOWN[row["strategy"]])
+
+
 def test_empty_folder_gets_a_message_not_a_traceback(tmp_path, capsys):
     assert report_main([f"results_dir={tmp_path}"]) == 0
     text = (tmp_path / "_report" / "report.md").read_text()

@@ -63,3 +63,11 @@ def rate(value, unit: str) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
     return f"{value:.3g} {unit}"
+
+
+def number(value) -> str:
+    """A plain quantity: thousands separated when large, 3 significant figures when small (0.4, 12.5)."""
+    if missing(value):
+        return "–"
+    value = float(value)
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"

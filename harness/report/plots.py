@@ -91,10 +91,16 @@ def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
         ax.grid(True, which="major", alpha=0.3)
     axes[0][0].set_ylabel("decode step time (s)")
     axes[0][0].plot([], [], "-", color="#888", label="roofline (lines)")  # legend entry for the lines
-    axes[0][0].legend(title="dots: measured (p10–p90)", fontsize=8, title_fontsize=8)
+    legend = {}  # label -> handle, across panels (a strategy may be missing from one batch)
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    # outside the panels, so it never hides a measured point
+    fig.legend(legend.values(), legend.keys(), title="dots: measured (p10–p90)", fontsize=8,
+               title_fontsize=8, loc="center right")
     fig.suptitle(f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n"
                  f"{group.title}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
     return _save(fig, folder, f"step_time_{group.slug}.png")
 
 

@@ -162,7 +162,7 @@ def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
         f"So the predicted time saving is **{t_full / t_cached:,.1f}x**, not {full_f / cached_f:,.0f}x: "
         "removing arithmetic from a step that was waiting on bytes saves little time.")]
     header = ["model", "batch", "ctx", "FLOP ratio", "roofline time ratio", "measured time ratio"]
-    body = []
+    body, flop_ratios, measured_ratios = [], [], []
     for g in groups:
         cached_name = next((x for x in ("contiguous", "flash") if x in set(g.ok["strategy"])), None)
         if cached_name is None:
@@ -175,10 +175,15 @@ def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
                               / analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof))
                 body.append([f"{g.model} {g.dtype} ({cached_name})", fmt.count(batch), fmt.count(ctx),
                              fmt.ratio(flop_ratio), fmt.ratio(time_ratio), fmt.ratio(measured)])
+                flop_ratios.append(flop_ratio)
+                measured_ratios.append(measured)
     out.append(Paragraph("**Measured**, no_cache ÷ cached, per decode step (see also the plot above):"))
-    out.append(Table(header, body, [False] + [True] * 5) if body else
-               Paragraph("No point ran both `no_cache` and a cached strategy."))
-    return out
+    if not body:
+        return out + [Paragraph("No point ran both `no_cache` and a cached strategy.")]
+    return out + [Table(header, body, [False] + [True] * 5), Paragraph(
+        f"On the rows at hand the cache saves up to **{max(flop_ratios):,.0f}x** the FLOPs but at most "
+        f"**{max(measured_ratios):,.3g}x** the time (median over points: {np.median(flop_ratios):,.0f}x "
+        f"FLOPs against {np.median(measured_ratios):,.3g}x time).")]
 
 
 def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
@@ -192,7 +197,7 @@ def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
         f"**{dec / pre:,.0f}x** (about p; the same FLOPs per token). Predicted time per token: prefill "
         f"{fmt.seconds(analytic.prefill_time(s, ref.dtype, 1, p, ref.roof) / p)}, decode "
         f"{fmt.seconds(analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof))}.")]
-    measured = []
+    measured, time_ratios = [], []
     for g in groups:
         rows = g.ok[(g.ok["strategy"] != "no_cache")].dropna(subset=["prefill_s", "decode_step_s"])
         for _, r in rows.sort_values(["batch", "ctx"]).iterrows():
@@ -202,11 +207,15 @@ def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
                        / analytic.prefill_bytes_per_token(g.shape, g.dtype, int(r["batch"]), int(r["ctx"])))
             measured.append([f"{g.model} {g.dtype} {r['strategy']}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                              fmt.ratio(b_ratio), fmt.seconds(pre_t), fmt.seconds(dec_t), fmt.ratio(dec_t / pre_t)])
+            time_ratios.append(dec_t / pre_t)
     out.append(Paragraph("**Measured** time per token (bytes are not counted on the CPU; the analytic byte ratio beside it):"))
-    out.append(Table(["rows", "batch", "ctx", "bytes ratio (analytic)", "prefill s/token", "decode s/token",
-                      "time ratio"], measured, [False] + [True] * 6) if measured
-               else Paragraph("No cached row recorded both a prefill and a decode time."))
-    return out
+    if not measured:
+        return out + [Paragraph("No cached row recorded both a prefill and a decode time.")]
+    return out + [Table(["rows", "batch", "ctx", "bytes ratio (analytic)", "prefill s/token", "decode s/token",
+                         "time ratio"], measured, [False] + [True] * 6), Paragraph(
+        f"A decoded token took {min(time_ratios):.3g}x to {max(time_ratios):,.3g}x the time of a prefilled one "
+        "here. The time ratio stays below the byte ratio where prefill is compute bound rather than "
+        "memory bound, and where batching shares decode's weight reads among sequences.")]
 
 
 def weights_crossover(ref: Reference, groups: list[Group]) -> list[Block]:
@@ -248,7 +257,7 @@ def equal_batch_tokens(ref: Reference, groups: list[Group], sets_by_group: dict)
     measured = []
     for g in groups:
         for product, rows in sets_by_group.get(g.slug, []):
-            parts = [f"batch {int(r.batch)} × ctx {int(r.ctx)}: {fmt.count(r.tokens_per_s)} tokens/s, "
+            parts = [f"batch {int(r.batch)} × ctx {int(r.ctx)}: {fmt.number(r.tokens_per_s)} tokens/s, "
                      f"step {fmt.seconds(r.decode_step_s)}" for r in rows.itertuples()]
             measured.append(f"{g.model} {g.dtype}, batch × ctx = {product:,}: " + "; ".join(parts))
     return out + [Paragraph("**Measured** (table and plot in the section above):"),

@@ -40,7 +40,7 @@ def rows_table(table: pd.DataFrame) -> Table:
             fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
             fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "analytic_kv_cache_bytes")),
             fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
-            fmt.count(_get(row, "tokens_per_s")) if not fmt.missing(_get(row, "tokens_per_s")) else "–",
+            fmt.number(_get(row, "tokens_per_s")),
             str(_get(row, "analytic_bound") or "–"),
         ])
     return Table(header, body, right)
@@ -98,5 +98,5 @@ def equal_product_table(sets: list[tuple[int, pd.DataFrame]]) -> Table:
             body.append([f"{product:,}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                          f"{fmt.count(at_ctx)} B", fmt.nbytes(r["kv_cache_bytes"]),
                          fmt.nbytes(_get(r, "peak_memory_bytes")), fmt.seconds(r["decode_step_s"]),
-                         fmt.count(r["tokens_per_s"]), fmt.count(r["analytic_tokens_per_s"])])
+                         fmt.number(r["tokens_per_s"]), fmt.number(r["analytic_tokens_per_s"])])
     return Table(header, body, [True] * len(header))
