@@ -11,6 +11,7 @@ import os
 import torch
 from hydra.utils import instantiate
 
+from harness.cpu_linear import KERNELS as MATMUL_KERNELS
 from harness.memory import GIB, PeakTracker, available_bytes, required_bytes
 from harness.model import build_model
 from harness.points import Point
@@ -69,7 +70,8 @@ def measure_point(point: Point) -> dict:
 
     peak = PeakTracker(device)
     peak.start()
-    model = build_model(point.model, device, dtype, point.seed)
+    model = build_model(point.model, device, dtype, point.seed, point.matmul, batch_hint=point.batch)
+    peak.reset_peak()
     session = strategy.new_session(model, point.batch, point.ctx + point.decode_tokens)
     timer = StepTimer(device, cold_cache=point.timing.cold_cache)
     generator = torch.Generator(device=device).manual_seed(point.seed)
@@ -96,6 +98,7 @@ def measure_point(point: Point) -> dict:
         "status": "ok",
         "reason": "",
         "kernel": kernel,
+        "matmul_kernel": MATMUL_KERNELS[point.matmul],
         **common,
         "prefill_s": prefill_s,
         "decode_step_s": stats.p50,

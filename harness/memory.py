@@ -32,11 +32,19 @@ class PeakTracker:
     baseline_bytes: int = 0  # CPU: resident set before the point allocated anything
 
     def start(self) -> None:
+        """Take the baseline (nothing of the point allocated yet) and reset the peak."""
+        if self.device.type == "cpu":
+            self.baseline_bytes = _proc_status()["VmRSS"]
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        """Forget the peak so far, keep the baseline. Called again once the model is built, so that
+        one-time set-up transients (the oneDNN repack holds two copies of one weight) stay out of the
+        point's peak; the built weights stay resident and so stay in it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self.baseline_bytes = _proc_status()["VmRSS"]
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)

@@ -105,11 +105,11 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.output.weight.device
+        return self.tok_embeddings.weight.device  # the embedding is never repacked (harness.cpu_linear)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.output.weight.dtype
+        return self.tok_embeddings.weight.dtype
 
     def rotary_table(self, max_len: int) -> RotaryTable:
         c = self.cfg
@@ -147,10 +147,20 @@ def init_weights(model: Decoder, seed: int) -> None:
         param.normal_(0.0, std, generator=generator)
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int) -> Decoder:
-    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it."""
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                matmul: str = "aten", batch_hint: int = 1) -> Decoder:
+    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
+
+    matmul="onednn" then repacks every linear for oneDNN (harness.cpu_linear), tuned for
+    `batch_hint` rows; the weights' values are unchanged.
+    """
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # on meta: costs nothing
     model = model.to_empty(device=device)
     init_weights(model, seed)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if matmul == "onednn":
+        from harness.cpu_linear import pack_linears
+
+        pack_linears(model, batch_hint)
+    return model

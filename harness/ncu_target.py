@@ -33,7 +33,7 @@ def run_decode_steps(point: Point) -> torch.Tensor:
     Returns the generated tokens [B, decode_tokens + 1], equal to measure_point's."""
     device, dtype = torch.device(point.device), getattr(torch, point.dtype)
     strategy = instantiate(point.strategy)
-    model = build_model(point.model, device, dtype, point.seed)
+    model = build_model(point.model, device, dtype, point.seed, point.matmul, batch_hint=point.batch)
     session = strategy.new_session(model, point.batch, point.ctx + point.decode_tokens)
     # cold_cache: the same eviction buffer the timed run zeroes before each step, zeroed here
     # between the ranges, so its 256 MB of writes are not counted as the step's traffic.

@@ -29,6 +29,7 @@ class Point:
     seed: int  # seeds weights and prompt
     prefill: str  # compute | random
     traffic: str  # model | ncu (resolved from auto)
+    matmul: str = "aten"  # aten | onednn (resolved from auto): the linear layers' kernel
 
     @property
     def strategy_name(self) -> str:
@@ -75,7 +76,10 @@ def point_from_config(cfg) -> Point:
     """Resolve a composed (and validated) config into a Point."""
     from omegaconf import OmegaConf
 
+    from harness.cpu_linear import resolve_matmul
+
     device = resolve_device(cfg.device)
+    dtype = DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype
     strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
     return Point(
         model=model_config_from(OmegaConf.to_container(cfg.model, resolve=True)),
@@ -85,8 +89,9 @@ def point_from_config(cfg) -> Point:
         ctx=cfg.ctx,
         decode_tokens=cfg.decode_tokens,
         device=device,
-        dtype=DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype,
+        dtype=dtype,
         seed=cfg.seed,
         prefill=cfg.prefill,
+        matmul=resolve_matmul(cfg.matmul, device, dtype),
         traffic=resolve_traffic(cfg.traffic, device),
     )

@@ -14,6 +14,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
     # what was measured
     ("strategy", S, "", "decode strategy: no_cache, contiguous, flash"),
     ("kernel", S, "", "attention kernel that actually ran; null when the point did not run"),
+    ("matmul_kernel", S, "", "linear-layer kernel that ran: aten.linear or onednn.linear(packed weight)"),
     ("model", S, "", "model preset name (conf/model/)"),
     ("vocab_size", I, "tokens", "vocabulary size"),
     ("d_model", I, "", "residual width"),

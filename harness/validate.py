@@ -12,6 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_MODES = ("compute", "random")
 TRAFFIC_SOURCES = ("auto", "model", "ncu")
+MATMUL_KERNELS = ("auto", "aten", "onednn")
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 
@@ -82,6 +83,7 @@ def validate(cfg, cuda_available) -> None:
     _one_of("dtype", cfg.dtype, DTYPES)
     _one_of("prefill", cfg.prefill, PREFILL_MODES)
     _one_of("traffic", cfg.traffic, TRAFFIC_SOURCES)
+    _one_of("matmul", cfg.matmul, MATMUL_KERNELS)
     validate_model(cfg.model)
     validate_timing(cfg.timing)
 
@@ -98,6 +100,12 @@ def validate(cfg, cuda_available) -> None:
     on_cpu = device == "cpu" or (device == "auto" and not cuda_available())
     if on_cpu and cfg.timing.cuda_graphs:
         raise ConfigError("timing.cuda_graphs", "needs CUDA; this point runs on cpu")
+    if cfg.matmul == "onednn":
+        from harness.cpu_linear import onednn_supports
+
+        dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+        if not on_cpu or not onednn_supports(dtype):
+            raise ConfigError("matmul", f"onednn packing is not supported for {dtype} on this device; allowed: auto, aten")
     if on_cpu and cfg.traffic == "ncu":
         raise ConfigError("traffic", "ncu reads GPU DRAM counters and needs CUDA; on cpu use auto or model")
     if cfg.traffic == "ncu":

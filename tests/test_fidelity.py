@@ -54,7 +54,7 @@ def test_fractions_are_computed_from_the_rows_own_columns(calibrated_run):
 
 
 def test_a_record_from_another_host_is_not_reused(tmp_path):
-    record = calibrate.Calibration("cpu", "x", "another-host", "float32", 1.0, 1.0, 1.0, 1.0, "t", "m")
+    record = calibrate.Calibration("cpu", "x", "another-host", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
     calibrate.save(tmp_path, record)
     assert calibrate.load(tmp_path, "cpu", "float32") is None
 
