@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ class Progress:
     done: int = 0  # points handled so far (measured, skipped or already present)
     started: float = field(default_factory=time.monotonic)
     measured_seconds: list = field(default_factory=list)  # wall time of each point that ran
-    statuses: dict = field(default_factory=dict)  # status -> count
+    statuses: Counter = field(default_factory=Counter)  # status -> count
 
     def eta_seconds(self) -> float | None:
         if not self.measured_seconds:
@@ -101,7 +102,7 @@ def run_point(cfg) -> None:
     point = point_from_config(cfg)
     PROGRESS.done += 1
     if not cfg.overwrite and point.key in finished_keys(cfg.results_dir):
-        PROGRESS.statuses["already measured"] = PROGRESS.statuses.get("already measured", 0) + 1
+        PROGRESS.statuses["already measured"] += 1
         log.info(PROGRESS.line(point.label(), "already measured, skipped (overwrite=true re-runs it)"))
         return
     strategy = instantiate(point.strategy)
@@ -115,7 +116,7 @@ def run_point(cfg) -> None:
     write_row(cfg.results_dir, row)
     if row["status"] != "skipped":
         PROGRESS.measured_seconds.append(time.monotonic() - began)
-    PROGRESS.statuses[row["status"]] = PROGRESS.statuses.get(row["status"], 0) + 1
+    PROGRESS.statuses[row["status"]] += 1
     log.info(PROGRESS.line(point.label(), _outcome(row)))
     if "traceback" in measured:
         log.debug(measured["traceback"])
