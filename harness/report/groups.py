@@ -13,7 +13,9 @@ from harness.analytic import Roof
 from harness.config import ModelConfig
 from harness.results import shape_of
 
-GROUP_KEYS = ["model", "device", "dtype"]
+# The linear-layer kernel is a measurement condition like the dtype: aten and oneDNN rows of the same
+# point differ by 2-7x on a CPU, so they are never drawn as one strategy's points.
+GROUP_KEYS = ["model", "device", "dtype", "matmul_kernel"]
 
 
 @dataclass
@@ -23,6 +25,7 @@ class Group:
     model: str  # preset name
     device: str  # cpu | cuda
     dtype: str  # float32 | bfloat16 | float16
+    matmul_kernel: str  # linear-layer kernel of the rows ("" for rows written before it was recorded)
     device_name: str  # processor or GPU model of the rows
     shape: ModelConfig  # decoder shape recorded in the rows
     roof: Roof  # the roof the predictions of these rows use
@@ -34,11 +37,13 @@ class Group:
 
     @property
     def title(self) -> str:
-        return f"{self.model} · {self.device} ({self.device_name}) · {self.dtype}"
+        matmul = f" · {self.matmul_kernel}" if self.matmul_kernel else ""
+        return f"{self.model} · {self.device} ({self.device_name}) · {self.dtype}{matmul}"
 
     @property
     def slug(self) -> str:
-        return f"{self.model}_{self.device}_{self.dtype}"
+        matmul = f"_{self.matmul_kernel.split('.')[0]}" if self.matmul_kernel else ""
+        return f"{self.model}_{self.device}_{self.dtype}{matmul}"
 
     def strategies(self) -> list[str]:
         order = ["no_cache", "contiguous", "flash"]
@@ -51,14 +56,15 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
     if table.empty or "roof_flops_used" not in table:
         return []
     found = []
-    for (model, device, dtype), rows in table.groupby(GROUP_KEYS, sort=True):
+    table = _with_matmul_kernel(table)
+    for (model, device, dtype, matmul_kernel), rows in table.groupby(GROUP_KEYS, sort=True):
         predicted = rows[rows["roof_flops_used"].notna()]
         if predicted.empty:
             continue
         first = predicted.iloc[0]
         ok = predicted[predicted["status"] == "ok"].copy()
         found.append(Group(
-            model=str(model), device=str(device), dtype=str(dtype),
+            model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(first.get("device_name") or device),
             shape=shape_of(first),
             roof=Roof(float(first["roof_flops_used"]), float(first["roof_bandwidth_used"])),
@@ -67,3 +73,13 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
             rows=rows, ok=ok,
         ))
     return sorted(found, key=lambda g: -len(g.ok))
+
+
+def _with_matmul_kernel(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows that did not run (skipped, failed) record no linear kernel: they join the kernel most
+    rows of their model/device/dtype used, so they are listed with those rows."""
+    if "matmul_kernel" not in table:
+        return table.assign(matmul_kernel="")
+    usual = table.groupby(["model", "device", "dtype"])["matmul_kernel"].transform(
+        lambda kernels: kernels.mode().iloc[0] if kernels.notna().any() else "")
+    return table.assign(matmul_kernel=table["matmul_kernel"].fillna(usual))
