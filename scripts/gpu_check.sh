@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU check (issues 2 and 4): every strategy in bf16 on CUDA at `tiny` and the 8B width, then the rows.
+# Prepared for a lent GPU machine; not yet run (no GPU was lent to the sessions so far).
+# On the lent H200 (torch present, no hydra-core): carry hydra-core, omegaconf and
+# antlr4-python3-runtime as wheels in .whl/ (see the device tool's README) and install them first:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# Usage: bash scripts/gpu_check.sh [results_dir]   (budget: under 8 minutes)
+set -euo pipefail
+out=${1:-${OUT:-/tmp}/gpu_check}
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+common=(device=cuda dtype=bfloat16 results_dir="$out")
+timeout 120 python3 -m harness.run -m "${common[@]}" model=tiny strategy=no_cache,contiguous,flash \
+  batch=1,16 ctx=128,1024 decode_tokens=16
+timeout 300 python3 -m harness.run -m "${common[@]}" model=llama3_8b model.n_layers=8 \
+  strategy=no_cache,contiguous,flash batch=1,16 ctx=1024,8192 decode_tokens=16 || true
+python3 - "$out" <<'PY'
+import sys
+import pandas as pd
+rows = pd.read_parquet(sys.argv[1])
+pd.set_option("display.width", 250)
+print(rows[["strategy", "kernel", "model", "batch", "ctx", "status", "decode_step_s", "tokens_per_s",
+            "kv_cache_bytes", "peak_memory_bytes", "bandwidth_fraction", "bytes_per_step_model",
+            "bytes_per_step_measured", "traffic_source", "tokens_digest", "reason"]].to_string())
+PY
