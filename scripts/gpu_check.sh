@@ -10,11 +10,14 @@ out=${1:-${OUT:-/tmp}/gpu_check}
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-common=(device=cuda dtype=bfloat16 results_dir="$out")
+common=(device=cuda dtype=bfloat16 traffic=model results_dir="$out")
 timeout 120 python3 -m harness.run -m "${common[@]}" model=tiny strategy=no_cache,contiguous,flash \
   batch=1,16 ctx=128,1024 decode_tokens=16
 timeout 300 python3 -m harness.run -m "${common[@]}" model=llama3_8b model.n_layers=8 \
   strategy=no_cache,contiguous,flash batch=1,16 ctx=1024,8192 decode_tokens=16 || true
+# Measured traffic on two points (ncu re-runs their decode steps; issue 4).
+timeout 180 python3 -m harness.run -m device=cuda dtype=bfloat16 traffic=ncu results_dir="$out" \
+  model=llama3_8b model.n_layers=8 strategy=contiguous batch=1,16 ctx=8192 decode_tokens=4 || true
 python3 - "$out" <<'PY'
 import sys
 import pandas as pd
