@@ -1,0 +1,211 @@
+"""The benchmark suite's points, models and timing helper (`pytest -m benchmark`; see harness.bench_gate).
+
+Two small points, each a decode step a 2-core CPU times in milliseconds:
+- light: a weight-dominated step (batch 1, 128 cached tokens: the cache is <1% of the bytes);
+- heavy: a cache-dominated step (batch 16, 2048 cached tokens: the cache is ~8x the weights read),
+  filled with random K/V (session.fill_random) so no prompt runs. no_cache runs at the light point
+  only: at the heavy point one recompute step would be ~2 TFLOP.
+Both move more bytes than the L3 (32 MiB on the EPYC hosts here, 105 MiB on Sapphire Rapids hosts).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.config import ModelConfig
+from harness.cpu_linear import resolve_matmul
+from harness.model import build_model
+
+DTYPE = torch.float32  # the honest CPU default (GUIDE §3: bf16 GEMV is slow on these CPUs)
+SEED = 0
+
+# Weights ~82 MB (decode reads ~65 MB); GQA group of 4 as in Llama 3.
+LIGHT_MODEL = ModelConfig(name="bench_light", vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=2,
+                          ffn_dim=1536)
+# Weights ~21 MB, 4 KiB of K/V per token: 16 x 2048 tokens are 134 MB of cache.
+HEAVY_MODEL = ModelConfig(name="bench_heavy", vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                          ffn_dim=768)
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    name: str  # benchmark id part: light | heavy
+    shape: ModelConfig
+    batch: int
+    ctx: int  # cached tokens before the timed step
+    prefill: str  # compute: run the prompt; random: fill the cache with random K/V (caching strategies)
+    strategies: tuple[str, ...]  # strategies timed at this point (those unavailable on the CPU are skipped)
+
+
+POINTS = {
+    "light": BenchPoint("light", LIGHT_MODEL, batch=1, ctx=128, prefill="compute",
+                        strategies=("no_cache", "contiguous", "flash")),
+    "heavy": BenchPoint("heavy", HEAVY_MODEL, batch=16, ctx=2048, prefill="random", strategies=("contiguous", "flash")),
+}
+PREFILL = (LIGHT_MODEL, 1, 256)  # shape, batch, prompt tokens of the prefill benchmark
+
+
+# The linear layers' kernel a harness run uses here by default (matmul=auto: oneDNN-packed weights on
+# CPUs that support it, aten otherwise): the suite times the path users run.
+MATMUL = resolve_matmul("auto", "cpu", str(DTYPE).removeprefix("torch."))
+
+
+@pytest.fixture(scope="session")
+def model_for():
+    """Build each shape's model once per session and batch (seeded, fp32, CPU, linears as MATMUL, packed
+    for that batch as the runner does)."""
+    built = {}
+
+    def get(shape: ModelConfig, batch: int):
+        if (shape.name, batch) not in built:
+            built[shape.name, batch] = build_model(shape, torch.device("cpu"), DTYPE, SEED, MATMUL, batch_hint=batch)
+        return built[shape.name, batch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def roof() -> dict:
+    """Roofs measured by this session's control and matmul benchmarks (they run first): filled by them,
+    read by later benchmarks to record their analytic prediction next to their time."""
+    return {}
+
+
+class MemoryControl:
+    """The control: one row vector through 64 fixed 1024x1024 fp32 matrices (256 MiB, beyond any L3
+    here), i.e. the weight reads of a batch-1 decode step without the model. Memory bound and made of
+    many short parallel regions, like the cached decode steps, so machine noise hits it as it hits
+    them; and it uses no project code, so no change to the harness can move it."""
+
+    kind = "memory"
+
+    def __init__(self, n: int = 1024, matrices: int = 64):
+        generator = torch.Generator().manual_seed(SEED)
+        self.matrices = [torch.randn(n, n, generator=generator) for _ in range(matrices)]  # each [n, n]
+        self.row = torch.randn(1, n, generator=generator)  # [1, n]
+        self.nbytes = sum(m.nbytes for m in self.matrices)
+        self.flops = 2 * matrices * n * n
+        self.name = f"{matrices} fp32 GEMV {n}^2"
+
+    def __call__(self) -> None:
+        for matrix in self.matrices:
+            F.linear(self.row, matrix)
+
+
+class ComputeControl:
+    """The compute-bound counterpart: an fp32 1024^3 GEMM (2.1 GFLOP on 12 MiB). Compute-bound steps
+    (no_cache's recompute, the prefill) are slowed by what slows arithmetic (a busy SMT sibling on the
+    host, a lower clock) more than by what slows memory: measured here, they shifted by 1.5x within a
+    run while the memory control did not move."""
+
+    kind = "compute"
+
+    def __init__(self, n: int = 1024):
+        generator = torch.Generator().manual_seed(SEED)
+        self.a = torch.randn(n, n, generator=generator)  # [n, n]
+        self.b = torch.randn(n, n, generator=generator)  # [n, n]
+        self.nbytes = 3 * self.a.nbytes
+        self.flops = 2 * n**3
+        self.name = f"fp32 GEMM {n}^3"
+
+    def __call__(self) -> None:
+        torch.mm(self.a, self.b)
+
+
+# FLOPs per byte above which a benchmark is interleaved with the compute control: the ridge of the
+# CPUs here (GUIDE §3: ~0.23 TFLOP/s over ~19.6 GB/s, ~12). The suite's benchmarks sit far from it on
+# either side (cached steps ~0.5-1.5, no_cache and prefill ~50-100), so the choice never flips.
+CONTROL_RIDGE = 12.0
+
+
+@pytest.fixture(scope="session")
+def controls() -> dict:
+    return {"memory": MemoryControl(), "compute": ComputeControl()}
+
+
+def control_for(controls: dict, flops: float, bytes_moved: float):
+    return controls["compute" if flops / bytes_moved > CONTROL_RIDGE else "memory"]
+
+
+def run_timed(benchmark, target, setup=None, control=None, budget_s: float = 2.0,
+              min_rounds: int = 5, max_rounds: int = 60):
+    """pytest-benchmark's pedantic mode with rounds sized to a time budget.
+
+    Three untimed calls warm the allocator and caches; the median of their times estimates one call
+    (the median, not the minimum: on a busy machine the fastest call underestimates the rest). Rounds
+    are then budget / estimate, within [min_rounds, max_rounds], plus one warm-up round. `setup` runs
+    before every call, outside the timed region (the decode benchmarks rewind the session there).
+
+    With `control`, the control kernel also runs (and is timed) right before every round, outside the
+    timed region: extra_info["control_median_s"] is its median over this benchmark's rounds, so the
+    gate divides by a control measured at the same moments as the benchmark, not a minute earlier
+    (contention on a shared machine comes and goes within a run). It also leaves the L3 in the same
+    (cold) state before every round. extra_info["others_cpu_fraction"]: the share of the cores other
+    processes took while this benchmark ran.
+    """
+    control_times = []
+
+    def before_round():
+        if setup:
+            setup()
+        if control is not None:
+            begin = time.perf_counter()
+            control()
+            control_times.append(time.perf_counter() - begin)
+
+    probes = []
+    for _ in range(3):
+        before_round()
+        begin = time.perf_counter()
+        target()
+        probes.append(time.perf_counter() - begin)
+    per_round = sorted(probes)[1] + (statistics.median(control_times) if control_times else 0.0)
+    rounds = max(min_rounds, min(max_rounds, int(budget_s / per_round)))
+    benchmark.extra_info["threads"] = torch.get_num_threads()  # torch's default: one per core
+    control_times.clear()
+    start = cpu_seconds()
+    result = benchmark.pedantic(target, setup=before_round, rounds=rounds, warmup_rounds=1, iterations=1)
+    benchmark.extra_info["others_cpu_fraction"] = others_fraction(start, cpu_seconds())
+    if control is not None:
+        benchmark.extra_info["control_median_s"] = statistics.median(control_times[1:])  # [0]: warm-up round
+        benchmark.extra_info["control_kernel"] = control.name
+    return result
+
+
+def cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds all processes spent busy including steal, CPU seconds of this process)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    mine = os.times()
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), mine.user + mine.system
+
+
+def others_fraction(start, end) -> float:
+    """Share of all cores' time that processes other than this one (and steal) took between two
+    cpu_seconds() readings."""
+    wall, busy, mine = (e - s for e, s in zip(end, start))
+    return max(0.0, busy - mine) / (wall * os.cpu_count())
+
+
+AT_START = cpu_seconds()
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """How much of the CPUs other processes (and the hypervisor, as steal) took during the run. The
+    benchmarks' threads are spread over every core, so any other busy process slows them unevenly: a
+    thread descheduled in the middle of a parallel region stalls the others. The gate calls a run
+    where others took more than a few percent inconclusive (docs/performance.md)."""
+    end = cpu_seconds()
+    machine_info["cpu_contention"] = {
+        "others_fraction": others_fraction(AT_START, end),  # share of all cores' time others took
+        "wall_s": end[0] - AT_START[0], "cores": os.cpu_count(), "loadavg_1min_end": os.getloadavg()[0],
+    }
+    machine_info["torch_threads"] = torch.get_num_threads()
+    machine_info["harness_matmul"] = MATMUL

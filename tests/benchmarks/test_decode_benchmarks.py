@@ -1,0 +1,95 @@
+"""Benchmarks gated by harness.bench_gate: the two control kernels first, then decode steps and a prefill.
+
+Every benchmark records in extra_info what the gate needs (role, bytes and FLOPs from harness.analytic)
+and its analytic prediction: the roofline time at the roofs the control kernels measured in this run.
+Run: `python -m pytest -m benchmark --benchmark-json=run.json && python -m harness.bench_gate run.json`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import analytic
+from strategies import STRATEGIES, StrategyUnavailable
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, PREFILL, SEED, control_for, run_timed
+
+pytestmark = pytest.mark.benchmark
+DTYPE_NAME = str(DTYPE).removeprefix("torch.")
+
+
+def record_prediction(benchmark, roof: dict, flops: int, bytes_moved: int) -> None:
+    """bytes, FLOPs, and the roofline time at this run's roofs (None if the controls did not run)."""
+    info = benchmark.extra_info
+    info.update(bytes=bytes_moved, flops=flops, roof_bandwidth_Bps=roof.get("bandwidth"), roof_flops=roof.get("flops"))
+    if roof.keys() >= {"bandwidth", "flops"}:
+        same_run = analytic.Roof(flops_per_s=roof["flops"], bytes_per_s=roof["bandwidth"])
+        info["predicted_s"] = analytic.roofline_time(flops, bytes_moved, same_run)
+        info["predicted_bound"] = analytic.bound(flops, bytes_moved, same_run)
+
+
+def test_control_read_bandwidth(benchmark, roof, controls):
+    """The memory control on its own (conftest.MemoryControl): its bandwidth is the same-run roof of
+    the bandwidth fraction; its median, the denominator of ratios measured without interleaving."""
+    control = controls["memory"]
+    benchmark.extra_info.update(role="control", kernel=control.name, bytes=control.nbytes, flops=control.flops)
+    run_timed(benchmark, control, budget_s=1.0)
+    roof["bandwidth"] = control.nbytes / benchmark.stats.stats.median
+
+
+def test_roof_matmul(benchmark, roof, controls):
+    """The compute control on its own (conftest.ComputeControl): the FLOP roof of this run, for the
+    analytic prediction of compute-bound steps."""
+    control = controls["compute"]
+    benchmark.extra_info.update(role="roof_flops", kernel=control.name, bytes=control.nbytes, flops=control.flops)
+    run_timed(benchmark, control, budget_s=0.6)
+    roof["flops"] = control.flops / benchmark.stats.stats.median
+
+
+CASES = [(point, strategy) for point in POINTS.values() for strategy in point.strategies]
+
+
+@pytest.mark.parametrize("point,strategy", CASES, ids=[f"{p.name}-{s}" for p, s in CASES])
+def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
+    """The first decode step after `point.ctx` cached tokens, re-run every round (rewound in setup)."""
+    chosen = STRATEGIES[strategy]()
+    try:
+        chosen.kernel(torch.device("cpu"), DTYPE)
+    except StrategyUnavailable as unavailable:
+        pytest.skip(f"{strategy} cannot run on this CPU: {unavailable}")
+    model = model_for(point.shape, point.batch)
+    session = chosen.new_session(model, point.batch, point.ctx + 1)
+    generator = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(point.shape.vocab_size, (point.batch, point.ctx), generator=generator)  # [B, ctx]
+    if point.prefill == "random" and chosen.caches_kv:
+        session.fill_random(point.ctx, generator)
+    else:
+        session.prefill(prompt)
+    token = prompt[:, -1]  # [B]
+    step_bytes = analytic.decode_step_bytes(point.shape, DTYPE_NAME, point.batch, point.ctx, cached=chosen.caches_kv)
+    benchmark.extra_info.update(
+        role="decode", point=point.name, strategy=strategy, model=point.shape.name, batch=point.batch, ctx=point.ctx,
+        prefill=point.prefill, dtype=DTYPE_NAME, matmul=MATMUL, weight_bytes=analytic.weight_bytes(point.shape, DTYPE_NAME),
+        cache_read_bytes=step_bytes["cache_read"],
+    )
+    flops = analytic.decode_step_flops(point.shape, point.batch, point.ctx, cached=chosen.caches_kv)
+    record_prediction(benchmark, roof, flops, step_bytes["total"])
+    budget = 2.0 if strategy == "no_cache" else 1.5
+    with torch.inference_mode():
+        run_timed(benchmark, lambda: session.step(token), setup=lambda: session.rewind(point.ctx),
+                  control=control_for(controls, flops, step_bytes["total"]), budget_s=budget)
+    assert session.length == point.ctx + 1
+
+
+def test_prefill(benchmark, model_for, roof, controls):
+    """One forward pass over a 256-token prompt through the contiguous cache (compute bound)."""
+    shape, batch, prompt_len = PREFILL
+    session = STRATEGIES["contiguous"]().new_session(model_for(shape, batch), batch, prompt_len)
+    prompt = torch.randint(shape.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(SEED))
+    benchmark.extra_info.update(role="prefill", strategy="contiguous", model=shape.name, batch=batch, ctx=prompt_len,
+                                dtype=DTYPE_NAME, matmul=MATMUL)
+    prefill_bytes = analytic.prefill_bytes(shape, DTYPE_NAME, batch, prompt_len)["total"]
+    flops = analytic.prefill_flops(shape, batch, prompt_len)
+    record_prediction(benchmark, roof, flops, prefill_bytes)
+    with torch.inference_mode():
+        run_timed(benchmark, lambda: session.prefill(prompt), control=control_for(controls, flops, prefill_bytes),
+                  budget_s=1.5)
