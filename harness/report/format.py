@@ -44,25 +44,27 @@ def count(value) -> str:
     return "–" if missing(value) else f"{int(round(float(value))):,}"
 
 
-def flops(value) -> str:
+SI_SCALES = {"E": 1e18, "P": 1e15, "T": 1e12, "G": 1e9, "M": 1e6, "k": 1e3}
+
+
+def _si(value, unit: str, prefixes: str) -> str:
+    """`value` with the largest of `prefixes` it reaches: _si(3.35e12, 'B/s', 'PTGMk') -> '3.35 TB/s'."""
     if missing(value):
         return "–"
     value = float(value)
-    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.3g} FLOP"
+    for prefix in prefixes:
+        if abs(value) >= SI_SCALES[prefix]:
+            return f"{value / SI_SCALES[prefix]:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def flops(value) -> str:
+    return _si(value, "FLOP", "EPTGM")
 
 
 def rate(value, unit: str) -> str:
     """A per-second rate with an SI prefix: rate(3.35e12, 'B/s') -> '3.35 TB/s'."""
-    if missing(value):
-        return "–"
-    value = float(value)
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
+    return _si(value, unit, "PTGMk")
 
 
 def number(value) -> str:
