@@ -1,7 +1,8 @@
 """`no_cache`: every step re-runs the whole sequence so far. The exactness reference.
 
 Nothing is kept between steps except the token ids, so step i costs a full forward pass over
-ctx + i tokens: work grows with the square of the sequence, and no memory grows with it.
+ctx + i + 1 tokens (the prompt, the i tokens fed so far and the new one): work grows with the square
+of the sequence, and no memory grows with it.
 """
 from __future__ import annotations
 
