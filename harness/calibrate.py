@@ -76,30 +76,17 @@ def measure(device_and_dtype: tuple[str, str]) -> Calibration:
     device_type, dtype_name = device_and_dtype
     device, dtype = torch.device(device_type), getattr(torch, dtype_name)
     timer = StepTimer(device)
-    element = torch.empty((), dtype=dtype).element_size()
 
     def best_seconds(kernel) -> float:
         kernel()
         return min(timer.time(kernel)[1] for _ in range(REPEATS))
 
-    stream = torch.ones(READ_BYTES[device_type] // element, device=device, dtype=dtype)  # [N]
-    sum_bw = stream.nbytes / best_seconds(lambda: stream.sum())
-    del stream
-    rows = 8192
-    matrix = torch.ones(rows, READ_BYTES[device_type] // 2 // element // rows, device=device, dtype=dtype)  # [R, C]
-    vector = torch.ones(matrix.shape[1], device=device, dtype=dtype)  # [C]
-    gemv_bw = matrix.nbytes / best_seconds(lambda: torch.mv(matrix, vector))
-    packed_bw = None
-    if device_type == "cpu" and onednn_supports(dtype_name):
-        packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
-        row = vector[None, :]  # [1, C]
-        packed_bw = matrix.nbytes / best_seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""))
-        del packed
-    del matrix, vector
+    read_bytes = READ_BYTES[device_type]
+    sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
+    with_packed = device_type == "cpu" and onednn_supports(dtype_name)
+    gemv_bw, packed_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed)
     n = MATMUL_N[device_type]
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # [n, n] each
     flops = 2 * n**3 / best_seconds(lambda: a @ b)
     return Calibration(
         device=device_type,
@@ -113,11 +100,36 @@ def measure(device_and_dtype: tuple[str, str]) -> Calibration:
         matmul_flops=flops,
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         method=(
-            f"best of {REPEATS} after a warm-up; bandwidth: max(sum over {READ_BYTES[device_type] >> 20} MiB, "
-            f"mv over a {READ_BYTES[device_type] >> 21} MiB matrix, the same through oneDNN's packed linear "
+            f"best of {REPEATS} after a warm-up; bandwidth: max(sum over {read_bytes >> 20} MiB, "
+            f"mv over a {read_bytes >> 21} MiB matrix, the same through oneDNN's packed linear "
             f"where supported); matmul: {n}x{n}x{n} GEMM, {dtype_name}"
         ),
     )
+
+
+def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
+    """Bytes/s of a full reduction: a pure stream. Its buffer is freed on return."""
+    import torch
+
+    stream = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), device=device, dtype=dtype)  # [N]
+    return stream.nbytes / best_seconds(lambda: stream.sum())
+
+
+def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool) -> tuple[float, float | None]:
+    """Bytes/s of a matrix-vector product over an `nbytes` matrix: aten's, and oneDNN's packed one
+    (None unless `with_packed`). The matrices are freed on return."""
+    import torch
+
+    rows = 8192
+    cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
+    matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
+    vector = torch.ones(cols, device=device, dtype=dtype)  # [C]
+    aten = matrix.nbytes / best_seconds(lambda: torch.mv(matrix, vector))
+    if not with_packed:
+        return aten, None
+    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
+    row = vector[None, :]  # [1, C]
+    return aten, matrix.nbytes / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""))
 
 
 def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run) -> tuple[Calibration, bool]:

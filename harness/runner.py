@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
 from harness import calibrate

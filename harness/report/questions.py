@@ -111,7 +111,7 @@ def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
 
 
 def growth(ref: Reference, groups: list[Group]) -> list[Block]:
-    s, p = ref.shape, ref.ctx
+    s = ref.shape
     out = [Heading("How work grows with length: no cache against cache", 3), Paragraph(
         "Decode step i after a p-token prompt sits at context c = p + i. With a cache it runs one token: "
         "2 × (matmul weights) FLOPs plus one query over c + 1 keys (4 × (c + 1) × n_heads × head_dim per "
