@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+CALIBRATION_DIR = "_calibration"  # under results_dir; '_' so pyarrow skips it when reading the folder
 REPEATS = 10
 READ_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}  # data streamed per read kernel
 MATMUL_N = {"cpu": 2048, "cuda": 8192}  # square GEMM size
@@ -42,7 +43,7 @@ class Calibration:
 
 
 def record_path(results_dir: str | Path, device: str, dtype: str) -> Path:
-    return Path(results_dir) / "_calibration" / f"{device}__{dtype}.json"
+    return Path(results_dir) / CALIBRATION_DIR / f"{device}__{dtype}.json"
 
 
 def load(results_dir: str | Path, device: str, dtype: str) -> Calibration | None:

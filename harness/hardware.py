@@ -15,9 +15,9 @@ from typing import Optional
 import yaml
 
 from harness.analytic import DTYPE_BYTES, Roof
+from harness.calibrate import CALIBRATION_DIR  # one folder name for the writer and every reader
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "conf" / "hardware"
-CALIBRATION_DIR = "_calibration"  # under results_dir; '_' so pyarrow skips it when reading the folder
 
 # Substrings of torch.cuda.get_device_name() -> the datasheet config that describes that device.
 DATASHEET_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100_sxm", "A100": "a100_80g"}
