@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import ModelConfig
+from harness.random_fill import uniform_like_normal_
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +132,9 @@ class Decoder(nn.Module):
 def init_weights(model: Decoder, seed: int) -> None:
     """Seeded random weights, scaled so activations stay finite at any depth and in bf16.
 
+    Values are uniform with the standard deviations below (harness.random_fill: filled on all cores;
+    a decode step's time does not depend on the distribution).
+
     Projections get std 1/sqrt(fan_in), which keeps each matmul's output at unit scale; the two
     projections that write into the residual stream (wo, w2) are further divided by sqrt(2 * n_layers),
     so the residual's variance grows to about 2 over the whole depth instead of by 2 per layer.
@@ -144,7 +148,7 @@ def init_weights(model: Decoder, seed: int) -> None:
         std = 1.0 if name == "tok_embeddings.weight" else 1.0 / math.sqrt(param.shape[1])
         if name.endswith(("wo.weight", "w2.weight")):
             std *= residual_scale
-        param.normal_(0.0, std, generator=generator)
+        uniform_like_normal_(param, std, generator)
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,

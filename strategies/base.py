@@ -15,6 +15,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from harness.random_fill import uniform_like_normal_
+
 
 class StrategyUnavailable(Exception):
     """This strategy cannot run on this device/dtype/installation. The message is the reason."""
@@ -93,7 +95,7 @@ class CachedSession(DecodeSession):
         prompt (which a CPU cannot afford at 8B width and 16k tokens)."""
         for cache in self.layer_caches:
             for table in (cache.k, cache.v):
-                table.narrow(cache.seq_dim, 0, length).normal_(generator=generator)
+                uniform_like_normal_(table.narrow(cache.seq_dim, 0, length), 1.0, generator)
         self.length = length
 
 
