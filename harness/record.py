@@ -34,10 +34,16 @@ def roof_columns(row: dict, roofs) -> dict:
     if roofs is None:
         return {}
     columns = {"roof_bandwidth_Bps": roofs.read_bandwidth_Bps, "roof_flops": roofs.matmul_flops}
+    step_bytes, step_flops = row["bytes_per_step_model"], row["flops_per_step_model"]
+    roof = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=roofs.read_bandwidth_Bps)
+    columns["roof_bound"] = analytic.bound(step_flops, step_bytes, roof)
     if row["status"] == "ok":
         step = row["decode_step_s"]
-        columns["bandwidth_fraction"] = row["bytes_per_step_model"] / step / roofs.read_bandwidth_Bps
-        columns["flops_fraction"] = row["flops_per_step_model"] / step / roofs.matmul_flops
+        columns["bandwidth_fraction"] = step_bytes / step / roofs.read_bandwidth_Bps
+        columns["flops_fraction"] = step_flops / step / roofs.matmul_flops
+        # The binding roof's fraction: how close the step came to what this machine allows at all. A
+        # compute-bound step cannot reach a bandwidth fraction above ridge / intensity, however good.
+        columns["roofline_fraction"] = analytic.roofline_time(step_flops, step_bytes, roof) / step
     return columns
 
 

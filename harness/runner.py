@@ -80,7 +80,8 @@ def _clock(seconds: float) -> str:
 def _outcome(row: dict) -> str:
     if row["status"] == "ok":
         bandwidth, flops = row["bandwidth_fraction"], row["flops_fraction"]
-        of_roof = f", roofs: {bandwidth:.0%} of read, {flops:.0%} of FLOP/s" if bandwidth is not None else ""
+        of_roof = (f", roofs: {bandwidth:.0%} of read, {flops:.0%} of FLOP/s ({row['roof_bound']} bound)"
+                   if bandwidth is not None else "")
         return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s{of_roof}"
     return f"{row['status']}: {row['reason']}"
 

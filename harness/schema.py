@@ -58,6 +58,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
     ("roof_flops", F, "FLOP/s", "matmul rate calibrated on this device and dtype; null if not calibrated"),
     ("bandwidth_fraction", F, "", "bytes_per_step_model / decode_step_s / roof_bandwidth_Bps"),
     ("flops_fraction", F, "", "flops_per_step_model / decode_step_s / roof_flops"),
+    ("roof_bound", S, "", "the roof that binds the step at the calibrated roofs: memory or compute"),
+    ("roofline_fraction", F, "", "roofline time at the calibrated roofs / decode_step_s: max(bandwidth_fraction, flops_fraction)"),
     # proof of exactness
     ("tokens_digest", S, "", "hash of the generated token ids; equal across strategies means identical outputs"),
     # run metadata

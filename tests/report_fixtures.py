@@ -52,6 +52,8 @@ def row(strategy: str, batch: int, ctx: int, status: str = "ok", reason: str = "
         "flops_per_step_model": flops_model, "roof_bandwidth_Bps": None, "roof_flops": None,
         "bandwidth_fraction": measured(bytes_model / step_s / CPU_ROOF.bytes_per_s),
         "flops_fraction": measured(flops_model / step_s / CPU_ROOF.flops_per_s),
+        "roof_bound": analytic.bound(flops_model, bytes_model, CPU_ROOF),
+        "roofline_fraction": measured(analytic.roofline_time(flops_model, bytes_model, CPU_ROOF) / step_s),
         "tokens_digest": measured(f"digest-b{batch}-c{ctx}"),
         "timestamp": "2025-01-01T00:00:00+00:00", "torch_version": "2.13.0+cpu", "git_commit": "fixture",
         "seed": 0, "config_json": json.dumps({"strategy": strategy, "batch": batch, "ctx": ctx}),

@@ -51,6 +51,12 @@ def test_fractions_are_computed_from_the_rows_own_columns(calibrated_run):
     expected_flops = rows.flops_per_step_model / rows.decode_step_s / rows.roof_flops
     assert (rows.bandwidth_fraction - expected_bw).abs().max() < 1e-12
     assert (rows.flops_fraction - expected_flops).abs().max() < 1e-12
+    # The binding roof's fraction is the larger of the two; the bound names the roof it came from.
+    expected_roofline = pd.concat([expected_bw, expected_flops], axis=1).max(axis=1)
+    assert (rows.roofline_fraction - expected_roofline).abs().max() < 1e-12
+    ridge = rows.roof_flops / rows.roof_bandwidth_Bps
+    intensity = rows.flops_per_step_model / rows.bytes_per_step_model
+    assert (rows.roof_bound == intensity.gt(ridge).map({True: "compute", False: "memory"})).all()
 
 
 def test_a_record_from_another_host_is_not_reused(tmp_path):
