@@ -57,7 +57,7 @@ class TimingConfig:
     warmup_min: int = 2  # warm-up steps always run before timing
     warmup_max: int = 20  # warm-up stops here even if step times have not settled
     settle_tolerance: float = 0.05  # warm-up ends when two consecutive steps differ by less than this fraction
-    cuda_graphs: bool = False  # reserved: replaying the decode step from a CUDA graph (refused until implemented)
+    cuda_graphs: bool = False  # CUDA only: capture each decode step at its position, time its replay (harness.graphs)
     cold_cache: bool = False  # evict the last-level cache (CPU) or L2 (GPU) before each timed step
 
 

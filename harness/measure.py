@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from harness.cpu_linear import KERNELS as MATMUL_KERNELS
+from harness.graphs import GraphedSteps
 from harness.memory import GIB, PeakTracker, available_bytes, required_bytes
 from harness.model import build_model
 from harness.points import Point
@@ -84,11 +85,23 @@ def measure_point(point: Point) -> dict:
         return seconds
 
     t = point.timing
-    warmup_steps = warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
+    if t.cuda_graphs:
+        graphed = GraphedSteps(session, first_token)
+        probe = graphed.replay_first_step_again(timer.time, rewind_to=point.ctx)
+        warmup_steps = warm_up(probe, t.warmup_min, t.warmup_max, t.settle_tolerance)
+        del probe  # frees the warm-up graph before the timed steps
+
+        def timed_step(token):  # captured at its position, replayed in the timed window
+            return graphed.replay_step(token, timer.time)
+    else:
+        warmup_steps = warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
+
+        def timed_step(token):
+            return timer.time(lambda: session.step(token).argmax(-1))
 
     generated, step_seconds = [first_token], []
     for _ in range(point.decode_tokens):
-        token, seconds = timer.time(lambda: session.step(generated[-1]).argmax(-1))
+        token, seconds = timed_step(generated[-1])
         generated.append(token)
         step_seconds.append(seconds)
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
@@ -106,6 +119,7 @@ def measure_point(point: Point) -> dict:
         "decode_step_p90_s": stats.p90,
         "decode_steps_timed": stats.count,
         "warmup_steps": warmup_steps,
+        "timing_method": timer.method + (", CUDA graph replay" if t.cuda_graphs else ""),
         "tokens_per_s": point.batch / stats.p50,
         "kv_cache_bytes": session.kv_cache_bytes,
         **peak.read(),

@@ -41,6 +41,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
     ("decode_step_p90_s", F, "s", "90th percentile of decode step times"),
     ("decode_steps_timed", I, "steps", "number of timed steps behind the percentiles"),
     ("warmup_steps", I, "steps", "untimed warm-up steps run at the first decode position"),
+    ("timing_method", S, "", "clock and options that timed the steps: CUDA events or perf_counter, cache flush, CUDA graph replay"),
     ("tokens_per_s", F, "tokens/s", "batch / decode_step_s"),
     # memory
     ("kv_cache_bytes", I, "B", "bytes of cache storage allocated (0 for no_cache)"),

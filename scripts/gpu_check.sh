@@ -15,6 +15,12 @@ timeout 120 python3 -m harness.run -m "${common[@]}" model=tiny strategy=no_cach
   batch=1,16 ctx=128,1024 decode_tokens=16
 timeout 300 python3 -m harness.run -m "${common[@]}" model=llama3_8b model.n_layers=8 \
   strategy=no_cache,contiguous,flash batch=1,16 ctx=1024,8192 decode_tokens=16 || true
+# The same cached points with each step replayed from a CUDA graph (timing.cuda_graphs=true): the
+# launch overhead eager steps pay shows as the gap to the rows above (tiny: most of the step).
+for shape in "model=tiny" "model=llama3_8b model.n_layers=8"; do
+  timeout 90 python3 -m harness.run -m "${common[@]}" $shape strategy=contiguous,flash batch=1,16 ctx=1024 \
+    decode_tokens=16 timing.cuda_graphs=true || true
+done
 # Measured traffic on two points (ncu re-runs their decode steps; issue 4).
 timeout 180 python3 -m harness.run -m device=cuda dtype=bfloat16 traffic=ncu results_dir="$out" \
   model=llama3_8b model.n_layers=8 strategy=contiguous batch=1,16 ctx=8192 decode_tokens=4 || true
@@ -23,7 +29,7 @@ import sys
 import pandas as pd
 rows = pd.read_parquet(sys.argv[1])
 pd.set_option("display.width", 250)
-print(rows[["strategy", "kernel", "model", "batch", "ctx", "status", "decode_step_s", "tokens_per_s",
-            "kv_cache_bytes", "peak_memory_bytes", "bandwidth_fraction", "bytes_per_step_model",
+print(rows[["strategy", "kernel", "model", "batch", "ctx", "status", "timing_method", "decode_step_s", "tokens_per_s",
+            "kv_cache_bytes", "peak_memory_bytes", "bandwidth_fraction", "roofline_fraction", "bytes_per_step_model",
             "bytes_per_step_measured", "traffic_source", "tokens_digest", "reason"]].to_string())
 PY

@@ -103,3 +103,8 @@ def test_random_prefill_writes_random_keys_and_values():
     cache = session.layer_caches[0]
     assert session.length == 24
     assert cache.k[:, :, :24].std() > 0.5 and (cache.k[:, :, 24:] == 0).all()
+
+
+def test_rows_name_the_clock_that_timed_them(calibrated_run):
+    rows = pd.read_parquet(calibrated_run[0])
+    assert (rows.timing_method == "perf_counter").all()  # a CPU: no events, no graphs, no flush asked
