@@ -13,7 +13,7 @@ step, as an eager call is.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

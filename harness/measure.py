@@ -58,7 +58,7 @@ def measure_point(point: Point) -> dict:
     strategy = instantiate(point.strategy)
     common = {"device_name": device_name(device), "threads": torch.get_num_threads()}
     try:
-        kernel = strategy.kernel(device, dtype)
+        kernel = strategy.kernel(device, dtype, point.model)
     except StrategyUnavailable as unavailable:
         return not_run("skipped", str(unavailable), kernel=None, **common)
 

@@ -10,8 +10,8 @@ count or the order the threads finish in.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import torch
 

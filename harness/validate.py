@@ -87,10 +87,11 @@ def validate(cfg, cuda_available) -> None:
     validate_model(cfg.model)
     validate_timing(cfg.timing)
 
+    from strategies.contiguous import BACKENDS as CONTIGUOUS_BACKENDS
     from strategies.flash import BACKENDS as FLASH_BACKENDS
 
-    backends = ("auto", *FLASH_BACKENDS) if cfg.strategy.name == "flash" else ("auto",)
-    _one_of("strategy.backend", cfg.strategy.backend, backends)
+    backends = {"flash": FLASH_BACKENDS, "contiguous": CONTIGUOUS_BACKENDS}.get(cfg.strategy.name, ())
+    _one_of("strategy.backend", cfg.strategy.backend, ("auto", *backends))
     if cfg.prefill == "random" and cfg.strategy.name == "no_cache":
         raise ConfigError("prefill", "random needs a cache to fill; no_cache recomputes the prompt, use prefill=compute")
 

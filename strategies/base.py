@@ -109,8 +109,9 @@ class Strategy(ABC):
         self.backend = backend
 
     @abstractmethod
-    def kernel(self, device: torch.device, dtype: torch.dtype) -> str:
-        """Name of the attention kernel a session on this device/dtype will run.
+    def kernel(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+        """Name of the attention kernel a session on this device/dtype (and model shape, a
+        harness.config.ModelConfig, where the choice depends on it) will run.
 
         Raises StrategyUnavailable with the reason when the strategy cannot run here.
         """

@@ -2,22 +2,37 @@
 
 The table is allocated once for the longest sequence a session will reach, so no step allocates or
 copies it; a step writes one position and attends over the filled prefix [0, length).
+
+Attention kernels (`strategy.backend`):
+- `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
+- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
+  the cache about twice as fast as SDPA's CPU kernel; the prompt still goes through SDPA. Where the
+  kernel cannot run, the point is skipped with the reason.
+- `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
 """
 from __future__ import annotations
 
 import torch
 
-from strategies.attention import KERNEL_NAME, grouped_attention
-from strategies.base import CachedSession, Strategy
+from strategies import cpu_kernel
+from strategies.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.attention import grouped_attention
+from strategies.base import CachedSession, Strategy, StrategyUnavailable
+
+BACKENDS = ("sdpa", "c")
+C_KERNEL = f"{cpu_kernel.KERNEL_NAME} for decode steps, {SDPA_KERNEL} for the prompt"
 
 
 class ContiguousLayerCache:
     seq_dim = 2  # position axis of k and v
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype,
+                 decode_kernel=None):
         # zeros, not empty: the pages are touched now, so the table is resident from the start, as a
         # serving engine's would be, and the memory peak shows it whatever the context.
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
         self.v = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
+        self.decode_kernel = decode_kernel  # cpu_kernel.decode_attention, or None for SDPA throughout
 
     @property
     def nbytes(self) -> int:
@@ -32,20 +47,44 @@ class ContiguousLayerCache:
 
     def attend(self, q, k, v, start_pos):
         end = self.write(k, v, start_pos)
+        batch, seq_len, n_heads, head_dim = q.shape
+        if seq_len == 1 and self.decode_kernel is not None:
+            n_kv = self.k.shape[1]
+            # Query head h = kv * G + g, as in grouped_attention: [B, 1, H, D] -> [B, n_kv, G, D].
+            grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)
+            return self.decode_kernel(grouped, self.k, self.v, end).view(batch, 1, n_heads, head_dim)
         return grouped_attention(q, self.k[:, :, :end], self.v[:, :, :end], q_offset=start_pos)
 
 
 class ContiguousStrategy(Strategy):
     def __init__(self, name: str = "contiguous", backend: str = "auto"):
+        if backend not in ("auto", *BACKENDS):
+            raise ValueError(f"strategy.backend: unknown '{backend}', allowed: auto, {', '.join(BACKENDS)}")
         super().__init__(name, backend)
 
-    def kernel(self, device, dtype) -> str:
-        return KERNEL_NAME
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+        """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""
+        if self.backend == "sdpa":
+            return "sdpa"
+        reason = cpu_kernel.unavailable(device, dtype)
+        if reason is None and shape is not None:
+            reason = cpu_kernel.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
+        if reason is None:
+            return "c"
+        if self.backend == "c":
+            raise StrategyUnavailable(reason)
+        return "sdpa"
+
+    def kernel(self, device, dtype, shape=None) -> str:
+        return C_KERNEL if self.resolve_backend(device, dtype, shape) == "c" else SDPA_KERNEL
 
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
+        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
+        decode_kernel = cpu_kernel.decode_attention if use_c else None
         caches = [
-            ContiguousLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype)
+            ContiguousLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
+                                 decode_kernel)
             for _ in range(c.n_layers)
         ]
         return CachedSession(model, caches, max_len)

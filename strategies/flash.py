@@ -113,7 +113,7 @@ class FlashStrategy(Strategy):
             reasons.append(f"{backend}: {reason}")
         raise StrategyUnavailable("; ".join(reasons))
 
-    def kernel(self, device, dtype) -> str:
+    def kernel(self, device, dtype, shape=None) -> str:
         return KERNELS[self.resolve_backend(device, dtype)]
 
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:

@@ -46,7 +46,7 @@ class NoCacheStrategy(Strategy):
     def __init__(self, name: str = "no_cache", backend: str = "auto"):
         super().__init__(name, backend)
 
-    def kernel(self, device, dtype) -> str:
+    def kernel(self, device, dtype, shape=None) -> str:
         return KERNEL_NAME
 
     def new_session(self, model, batch: int, max_len: int) -> NoCacheSession:

@@ -29,14 +29,18 @@ def reference(request):
     del model
 
 
-@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "no_cache"])
-def test_strategy_generates_the_no_cache_tokens(reference, name):
+# Every strategy under every attention kernel it has (auto resolves to one of them).
+CACHED = [("contiguous", "sdpa"), ("contiguous", "c"), ("flash", "auto")]
+
+
+@pytest.mark.parametrize("name,backend", CACHED, ids=[f"{n}-{b}" for n, b in CACHED])
+def test_strategy_generates_the_no_cache_tokens(reference, name, backend):
     model, prompt, new_tokens, expected = reference
-    strategy = STRATEGIES[name]()
+    strategy = STRATEGIES[name](backend=backend)
     try:
-        strategy.kernel(model.device, model.dtype)
+        strategy.kernel(model.device, model.dtype, model.cfg)
     except StrategyUnavailable as unavailable:
-        pytest.skip(f"{name} cannot run here: {unavailable}")
+        pytest.skip(f"{name} ({backend}) cannot run here: {unavailable}")
     tokens = generate(strategy, model, prompt, new_tokens)
     assert torch.equal(tokens, expected)
 

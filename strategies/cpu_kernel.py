@@ -1,0 +1,119 @@
+"""Build, load and call `cpu_decode_attention.c`, the CPU decode attention `contiguous` uses in fp32.
+
+The kernel is compiled on first use with the host's C compiler for the host's own instruction set
+(`-march=native`) and kept in a cache folder keyed by the source, the flags and the CPU, so later
+processes load it in milliseconds and a different CPU never loads a binary built for another. Where
+it cannot be built (no compiler, a compile error) `unavailable()` says why, and `contiguous` runs SDPA
+instead under SDPA's name (`backend=auto`) or records the point as skipped (`backend=c`).
+
+torch is imported before the library is loaded: the kernel's OpenMP calls then bind to the libgomp
+torch already loaded, so its parallel loop runs on torch's thread pool instead of a second pool of
+threads competing with torch's for the same cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+MAX_GROUP, MAX_DIM = 32, 512  # the kernel's limits (MAX_GROUP, MAX_DIM in the C source)
+KERNEL_NAME = "cpu_decode_attention.c (fp32, OpenMP)"
+CACHE_ENV = "HARNESS_KERNEL_CACHE"  # overrides the folder the compiled kernel is kept in
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decode-harness"
+
+
+def _cpu_identity() -> str:
+    """Model name and instruction-set flags: what -march=native compiles for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    wanted = ("model name", "flags")
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library, built now unless a build for this source, flags and CPU exists."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_identity().encode())
+    target = cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a name of its own and renamed: concurrent point processes never load half a file.
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    command = [compiler, *FLAGS, str(SOURCE), "-o", str(temporary), "-lm"]
+    built = subprocess.run(command, capture_output=True, text=True, check=False)
+    if built.returncode != 0:
+        temporary.unlink(missing_ok=True)
+        first_error = next((line for line in built.stderr.splitlines() if "error" in line), built.stderr.strip())
+        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {first_error[:200]}")
+    os.replace(temporary, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel, or the reason it cannot be had (cached per process)."""
+    compiler = os.environ.get("CC", "gcc")
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler}) on PATH to build {SOURCE.name}"
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (RuntimeError, OSError) as error:
+        return str(error)
+    pointer, size, strides = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+    library.decode_attention.argtypes = [pointer, pointer, strides, pointer, strides, pointer,  # q k ks v vs out
+                                         size, size, size, size, size, ctypes.c_float, ctypes.c_int]
+    library.decode_attention.restype = None
+    return library
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot run for this device and dtype, or None when it can."""
+    if device.type != "cpu":
+        return f"{SOURCE.name} is a CPU kernel; this point runs on {device.type}"
+    if dtype != torch.float32:
+        return f"{SOURCE.name} is written for float32; dtype is {str(dtype).removeprefix('torch.')}"
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def shape_unsupported(group: int, head_dim: int) -> str | None:
+    """Why the kernel cannot take `group` query heads per KV head of width `head_dim`, or None."""
+    if group > MAX_GROUP or head_dim > MAX_DIM:
+        return (f"{SOURCE.name} takes at most {MAX_GROUP} query heads per KV head and head_dim {MAX_DIM}; "
+                f"this model has {group} and {head_dim}")
+    return None
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """q [B, n_kv, G, D]; k, v [B, n_kv, S, D] cache tables (rows 0..length-1 are read) -> [B, n_kv, G, D].
+
+    Softmax(q k^T / sqrt(D)) v for one query position per sequence; the caller has checked
+    `unavailable` and `shape_unsupported`.
+    """
+    library = _library()
+    batch, n_kv, group, head_dim = q.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("cache rows must be contiguous")
+    q = q.contiguous()
+    out = torch.empty_like(q)  # [B, n_kv, G, D]
+    strides = ctypes.c_int64 * 3
+    library.decode_attention(
+        q.data_ptr(), k.data_ptr(), strides(*k.stride()[:3]), v.data_ptr(), strides(*v.stride()[:3]), out.data_ptr(),
+        batch, n_kv, group, length, head_dim, head_dim**-0.5, torch.get_num_threads(),
+    )
+    return out

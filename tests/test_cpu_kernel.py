@@ -1,0 +1,74 @@
+"""The C decode-attention kernel (strategies/cpu_decode_attention.c) against SDPA, its build cache, and
+how `contiguous` chooses and names it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strategies import STRATEGIES, StrategyUnavailable, cpu_kernel
+from strategies.contiguous import C_KERNEL
+from tests.conftest import GQA4
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(cpu_kernel.unavailable(CPU, torch.float32) is not None,
+                                reason=f"the C kernel cannot be built here: {cpu_kernel.unavailable(CPU, torch.float32)}")
+
+
+def attention_cases():
+    # (batch, n_kv, group, head_dim, length): Llama 3's group of 4, other groups (generic path), head
+    # widths that are not multiples of 16 (tail path), lengths shorter than, equal to and beyond a block.
+    yield from [(2, 8, 4, 128, 1000), (1, 2, 4, 64, 1), (3, 2, 1, 32, 64), (2, 2, 8, 24, 65), (1, 4, 16, 40, 130),
+                (2, 1, 3, 128, 777)]
+
+
+@pytest.mark.parametrize("batch,n_kv,group,head_dim,length", list(attention_cases()))
+def test_matches_sdpa_over_the_filled_prefix_of_a_larger_table(batch, n_kv, group, head_dim, length):
+    generator = torch.Generator().manual_seed(length)
+    table_k = torch.randn(batch, n_kv, length + 37, head_dim, generator=generator)  # [B, n_kv, S, D]
+    table_v = torch.randn(batch, n_kv, length + 37, head_dim, generator=generator)
+    table_k[:, :, length:] = float("nan")  # rows past the filled length must never be read
+    q = torch.randn(batch, n_kv, group, head_dim, generator=generator)  # [B, n_kv, G, D]
+    expected = F.scaled_dot_product_attention(q, table_k[:, :, :length], table_v[:, :, :length])
+    got = cpu_kernel.decode_attention(q, table_k, table_v, length)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow():
+    """The online softmax subtracts the running max: scores of ~1e4 would overflow a naive exp."""
+    generator = torch.Generator().manual_seed(0)
+    k = 100 * torch.randn(1, 2, 300, 64, generator=generator)
+    v = torch.randn(1, 2, 300, 64, generator=generator)
+    q = 100 * torch.randn(1, 2, 4, 64, generator=generator)
+    got = cpu_kernel.decode_attention(q, k, v, 300)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+def test_a_built_kernel_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    first = cpu_kernel._build("gcc")
+    built_at = first.stat().st_mtime_ns
+    assert cpu_kernel._build("gcc") == first and first.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_a_failed_build_names_the_compiler_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="false could not build cpu_decode_attention.c"):
+        cpu_kernel._build("false")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_devices_and_dtypes_are_refused_with_the_reason():
+    assert "CPU kernel" in cpu_kernel.unavailable(torch.device("meta"), torch.float32)
+    assert "float32" in cpu_kernel.unavailable(CPU, torch.bfloat16)
+    assert "at most 32" in cpu_kernel.shape_unsupported(64, 128)
+
+
+def test_contiguous_names_the_kernel_it_runs():
+    assert STRATEGIES["contiguous"]().kernel(CPU, torch.float32, GQA4) == C_KERNEL  # auto: the C kernel
+    assert "sdpa" in STRATEGIES["contiguous"]().kernel(CPU, torch.bfloat16, GQA4)  # auto falls back, says so
+    assert "sdpa" in STRATEGIES["contiguous"](backend="sdpa").kernel(CPU, torch.float32, GQA4)
+    with pytest.raises(StrategyUnavailable, match="float32"):  # asked for explicitly: skipped, not replaced
+        STRATEGIES["contiguous"](backend="c").kernel(CPU, torch.bfloat16, GQA4)
