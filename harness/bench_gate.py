@@ -38,7 +38,7 @@ RATIO_THRESHOLD = 0.25  # fail when median / control grows by more than this (do
 SPEEDUP_FRACTION_FLOOR = 0.40  # measured no_cache/contiguous speedup >= this fraction of the predicted one
 BANDWIDTH_FRACTION_FLOOR = 0.25  # contiguous decode's achieved bandwidth >= this fraction of the control's
 CONTENTION_LIMIT = 0.05  # other processes took more than this share of all cores during the run: inconclusive
-MUST_MATCH = ("torch_threads", "harness_matmul")  # a run and its baseline must agree on these
+MUST_MATCH = ("torch_threads", "harness_matmul", "harness_attention")  # a run and its baseline must agree on these
 GATED_ROLES = ("decode", "prefill")  # extra_info["role"] of the benchmarks whose ratios are gated
 REFRESH = "python -m harness.bench_gate <run.json>... --update"
 
@@ -75,6 +75,7 @@ def conditions(machine: dict) -> dict:
         "cpu": machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "unknown",
         "torch_threads": machine.get("torch_threads"),
         "harness_matmul": machine.get("harness_matmul"),
+        "harness_attention": machine.get("harness_attention"),
         "contention": machine.get("cpu_contention", {}).get("others_fraction"),
     }
 

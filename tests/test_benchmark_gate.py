@@ -19,7 +19,7 @@ def bench(name: str, median: float, **extra) -> dict:
 
 
 def run_json(scale: float = 1.0, slower: dict[str, float] | None = None, threads: int = 2,
-             contention: float = 0.0) -> dict:
+             contention: float = 0.0, attention: str = "c-kernel") -> dict:
     """A run of the suite: every median times `scale`, and the named benchmarks further times a factor;
     `contention`: the share of the CPUs other processes took during the run."""
     slower = slower or {}
@@ -37,7 +37,7 @@ def run_json(scale: float = 1.0, slower: dict[str, float] | None = None, threads
     for row in rows:
         row["stats"]["median"] *= scale * slower.get(row["name"], 1.0)
     machine = {"cpu": {"brand_raw": "synthetic"}, "torch_threads": threads, "harness_matmul": "onednn",
-               "cpu_contention": {"others_fraction": contention}}
+               "harness_attention": attention, "cpu_contention": {"others_fraction": contention}}
     return {"machine_info": machine, "benchmarks": rows}
 
 
@@ -113,6 +113,12 @@ def test_a_contended_run_cannot_become_the_baseline(tmp_path, capsys):
 def test_runs_with_another_thread_count_than_the_baseline_are_refused(tmp_path, baseline, capsys):
     assert bench_gate.main([str(write(tmp_path, run_json(threads=1))), "--baseline", str(baseline)]) == 2
     assert "torch_threads=2, this run with torch_threads=1" in capsys.readouterr().err
+
+
+def test_runs_with_another_attention_kernel_than_the_baseline_are_refused(tmp_path, baseline, capsys):
+    """A machine without a C compiler runs contiguous through SDPA: no yardstick for the C kernel's ratios."""
+    assert bench_gate.main([str(write(tmp_path, run_json(attention="sdpa"))), "--baseline", str(baseline)]) == 2
+    assert "harness_attention=c-kernel, this run with harness_attention=sdpa" in capsys.readouterr().err
 
 
 def test_the_control_interleaved_with_a_benchmark_is_its_denominator(tmp_path, baseline, capsys):

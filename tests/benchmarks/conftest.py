@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from harness.config import ModelConfig
 from harness.cpu_linear import resolve_matmul
 from harness.model import build_model
+from strategies import STRATEGIES
 
 DTYPE = torch.float32  # the honest CPU default (GUIDE §3: bf16 GEMV is slow on these CPUs)
 SEED = 0
@@ -209,3 +210,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     }
     machine_info["torch_threads"] = torch.get_num_threads()
     machine_info["harness_matmul"] = MATMUL
+    # contiguous's attention kernel here: the C kernel where it builds, SDPA otherwise (1.3x apart at the
+    # heavy point), so a baseline of one is no yardstick for the other.
+    machine_info["harness_attention"] = STRATEGIES["contiguous"]().kernel(torch.device("cpu"), DTYPE)
