@@ -72,6 +72,28 @@ def resolve_traffic(traffic: str, device: str) -> str:
     return "ncu" if device == "cuda" and ncu_executable() else "model"
 
 
+def resolve_backend(strategy: dict, device: str, dtype: str, shape: ModelConfig) -> dict:
+    """The strategy config with `backend=auto` replaced by the kernel it picks on this machine (the
+    contiguous strategy's choice depends on a C compiler being there), so the key of a point never
+    matches a row that another kernel measured. A strategy that cannot run here keeps `auto`: its
+    point is recorded as skipped, with the reason, when it runs."""
+    if strategy.get("backend") != "auto":
+        return strategy
+    import torch
+    from hydra.utils import get_class
+
+    from strategies.base import StrategyUnavailable
+
+    chosen = get_class(strategy["_target_"])(name=strategy["name"], backend="auto")
+    if not hasattr(chosen, "resolve_backend"):
+        return strategy
+    try:
+        backend = chosen.resolve_backend(torch.device(device), getattr(torch, dtype), shape)
+    except StrategyUnavailable:
+        return strategy
+    return {**strategy, "backend": backend}
+
+
 def point_from_config(cfg) -> Point:
     """Resolve a composed (and validated) config into a Point."""
     from omegaconf import OmegaConf
@@ -80,9 +102,10 @@ def point_from_config(cfg) -> Point:
 
     device = resolve_device(cfg.device)
     dtype = DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype
-    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+    model = model_config_from(OmegaConf.to_container(cfg.model, resolve=True))
+    strategy = resolve_backend(OmegaConf.to_container(cfg.strategy, resolve=True), device, dtype, model)
     return Point(
-        model=model_config_from(OmegaConf.to_container(cfg.model, resolve=True)),
+        model=model,
         strategy=strategy,
         timing=TimingConfig(**OmegaConf.to_container(cfg.timing, resolve=True)),
         batch=cfg.batch,

@@ -37,8 +37,9 @@ for point in args.points:
     token = torch.zeros(batch, dtype=torch.long)  # [B]
     seconds = {backend: [] for backend in sessions}
     with torch.inference_mode():
-        for _ in range(args.rounds):
-            for backend, session in sessions.items():
+        for round_index in range(args.rounds):
+            order = list(sessions.items())
+            for backend, session in order if round_index % 2 == 0 else order[::-1]:  # no order bias
                 begin = time.perf_counter()
                 session.step(token)
                 seconds[backend].append(time.perf_counter() - begin)

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from harness.config import ModelConfig
 from harness.random_fill import uniform_like_normal_
 
 
@@ -109,7 +110,7 @@ class Strategy(ABC):
         self.backend = backend
 
     @abstractmethod
-    def kernel(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+    def kernel(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
         """Name of the attention kernel a session on this device/dtype (and model shape, a
         harness.config.ModelConfig, where the choice depends on it) will run.
 

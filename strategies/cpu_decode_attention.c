@@ -1,12 +1,13 @@
 /* Decode attention over a contiguous fp32 KV cache on a CPU: one query position per sequence, GQA.
  *
- * Built and loaded by strategies/cpu_kernel.py (gcc -O3 -march=native -ffast-math -fopenmp); used by
+ * Built and loaded by strategies/cpu_kernel.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
+ * without -ffast-math so loading it leaves the process's floating-point mode alone); used by
  * `contiguous` for its decode steps on a CPU in fp32 (strategy.backend=auto|c).
  *
  * Why a kernel of our own: with a GQA group of G query heads per KV head, decode attention does G
  * multiply-adds per cached value, 2 FLOP/B at G = 4, so reading the cache at the machine's ~30 GB/s
  * needs ~60 GFLOP/s from G-row matrix products. SDPA's CPU kernel (G-row GEMMs through the BLAS)
- * read 8-12 GB/s on the 2-core EPYC here; this one reads 19-20 GB/s (docs/performance.md).
+ * read 8-12 GB/s on the 2-core EPYC here; this one reads 17-20 GB/s (docs/performance.md).
  *
  * How: one task per (sequence, KV head), spread over torch's OpenMP threads. A task walks its cache in
  * blocks of BLOCK keys with an online softmax (FlashAttention's running max and sum), so each key and

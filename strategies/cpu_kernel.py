@@ -7,8 +7,10 @@ it cannot be built (no compiler, a compile error) `unavailable()` says why, and 
 instead under SDPA's name (`backend=auto`) or records the point as skipped (`backend=c`).
 
 torch is imported before the library is loaded: the kernel's OpenMP calls then bind to the libgomp
-torch already loaded, so its parallel loop runs on torch's thread pool instead of a second pool of
-threads competing with torch's for the same cores.
+torch already loaded (same soname, libgomp.so.1, in torch's CPU wheels), so its parallel loop runs on
+torch's thread pool instead of a second pool competing with torch's for the same cores. Where a
+second OpenMP runtime gets loaded anyway (another compiler's, another torch build's), the kernel is
+declared unavailable with that reason.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,7 +26,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+# Linked in a step of its own, without -ffast-math: with it, gcc links crtfastmath.o, whose constructor
+# sets flush-to-zero and denormals-are-zero for the whole process when the library loads, and every
+# torch op after that (weights, references, other strategies' points) would compute differently.
+LINK_FLAGS = ("-shared", "-fopenmp")
 MAX_GROUP, MAX_DIM = 32, 512  # the kernel's limits (MAX_GROUP, MAX_DIM in the C source)
 KERNEL_NAME = "cpu_decode_attention.c (fp32, OpenMP)"
 CACHE_ENV = "HARNESS_KERNEL_CACHE"  # overrides the folder the compiled kernel is kept in
@@ -45,35 +52,67 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
 
 
+def _compiler_version(compiler: list[str]) -> str:
+    try:
+        return subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+
+
+def _run(command: list[str], compiler: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
+        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {first_error[:200]}")
+
+
 def _build(compiler: str) -> Path:
-    """The compiled library, built now unless a build for this source, flags and CPU exists."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _cpu_identity().encode())
-    target = cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
+    """The compiled library, built now unless a build for this source, compiler, flags and CPU exists."""
+    command = shlex.split(compiler)  # CC may carry a wrapper: "ccache gcc"
+    identity = [SOURCE.read_bytes().decode(), compiler, _compiler_version(command), *COMPILE_FLAGS, *LINK_FLAGS,
+                _cpu_identity()]
+    key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode_attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a name of its own and renamed: concurrent point processes never load half a file.
+    # Built under names of their own and renamed: concurrent point processes never load half a file.
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    command = [compiler, *FLAGS, str(SOURCE), "-o", str(temporary), "-lm"]
-    built = subprocess.run(command, capture_output=True, text=True, check=False)
-    if built.returncode != 0:
+    object_file = temporary.with_name(temporary.name + ".o")
+    try:
+        _run([*command, *COMPILE_FLAGS, str(SOURCE), "-o", str(object_file)], compiler)
+        _run([*command, *LINK_FLAGS, str(object_file), "-o", str(temporary), "-lm"], compiler)
+        os.replace(temporary, target)
+    finally:
+        object_file.unlink(missing_ok=True)
         temporary.unlink(missing_ok=True)
-        first_error = next((line for line in built.stderr.splitlines() if "error" in line), built.stderr.strip())
-        raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {first_error[:200]}")
-    os.replace(temporary, target)
     return target
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    names = ("libgomp", "libomp", "libiomp")
+    return {line.split()[-1] for line in maps if any(name in line.rsplit("/", 1)[-1] for name in names)}
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or the reason it cannot be had (cached per process)."""
     compiler = os.environ.get("CC", "gcc")
-    if shutil.which(compiler) is None:
+    if not compiler.strip() or shutil.which(shlex.split(compiler)[0]) is None:
         return f"no C compiler ({compiler}) on PATH to build {SOURCE.name}"
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (RuntimeError, OSError) as error:
         return str(error)
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:  # e.g. a clang build pulling in libomp beside torch's libgomp
+        return (f"{SOURCE.name} loaded a second OpenMP runtime ({', '.join(sorted(runtimes))}): its threads "
+                "would compete with torch's for the cores; build it with the compiler torch's runtime matches (gcc)")
     pointer, size, strides = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
     library.decode_attention.argtypes = [pointer, pointer, strides, pointer, strides, pointer,  # q k ks v vs out
                                          size, size, size, size, size, ctypes.c_float, ctypes.c_int]

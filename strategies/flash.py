@@ -99,7 +99,7 @@ class FlashStrategy(Strategy):
             raise ValueError(f"strategy.backend: unknown '{backend}', allowed: auto, {', '.join(BACKENDS)}")
         super().__init__(name, backend)
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         if device.type != "cuda":
             raise StrategyUnavailable(f"FlashAttention kernels need CUDA; this point runs on {device.type}")
         if dtype not in (torch.float16, torch.bfloat16):

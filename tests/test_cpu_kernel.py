@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(cpu_kernel.unavailable(CPU, torch.float32) is no
 def attention_cases():
     # (batch, n_kv, group, head_dim, length): Llama 3's group of 4, other groups (generic path), head
     # widths that are not multiples of 16 (tail path), lengths shorter than, equal to and beyond a block.
+    # The limits: 32 query heads per KV head, head_dim 512; head_dim 8 goes through the tail path only.
     yield from [(2, 8, 4, 128, 1000), (1, 2, 4, 64, 1), (3, 2, 1, 32, 64), (2, 2, 8, 24, 65), (1, 4, 16, 40, 130),
-                (2, 1, 3, 128, 777)]
+                (2, 1, 3, 128, 777), (1, 1, 32, 128, 100), (1, 2, 4, 512, 70), (2, 2, 4, 8, 90)]
 
 
 @pytest.mark.parametrize("batch,n_kv,group,head_dim,length", list(attention_cases()))
@@ -32,6 +33,17 @@ def test_matches_sdpa_over_the_filled_prefix_of_a_larger_table(batch, n_kv, grou
     expected = F.scaled_dot_product_attention(q, table_k[:, :, :length], table_v[:, :, :length])
     got = cpu_kernel.decode_attention(q, table_k, table_v, length)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """-ffast-math at link time would add a constructor that flushes denormals to zero process-wide."""
+    assert cpu_kernel.unavailable(CPU, torch.float32) is None  # loaded by now
+    assert (torch.tensor([1e-39]) * 1.0).item() > 0.0
+
+
+def test_one_openmp_runtime_serves_torch_and_the_kernel():
+    assert cpu_kernel.unavailable(CPU, torch.float32) is None
+    assert len(cpu_kernel._openmp_runtimes()) == 1
 
 
 def test_large_scores_do_not_overflow():
@@ -72,3 +84,20 @@ def test_contiguous_names_the_kernel_it_runs():
     assert "sdpa" in STRATEGIES["contiguous"](backend="sdpa").kernel(CPU, torch.float32, GQA4)
     with pytest.raises(StrategyUnavailable, match="float32"):  # asked for explicitly: skipped, not replaced
         STRATEGIES["contiguous"](backend="c").kernel(CPU, torch.bfloat16, GQA4)
+
+
+def test_a_points_key_names_the_kernel_auto_chose(monkeypatch, tmp_path):
+    """backend=auto depends on a compiler being there: the point records what it resolved to, so a
+    resumed sweep on a machine without one never reuses a row the C kernel measured, or back."""
+    from harness.points import point_from_config
+    from harness.preflight import plan
+
+    def point(*overrides):
+        return point_from_config(plan(["model=tiny", "device=cpu", *overrides], cuda_available=lambda: False).jobs[0])
+
+    with_kernel = point()
+    assert with_kernel.strategy["backend"] == "c"
+    assert point("dtype=bfloat16").strategy["backend"] == "sdpa"
+    monkeypatch.setattr(cpu_kernel, "_library", lambda: "no C compiler (false) on PATH")
+    without = point()
+    assert without.strategy["backend"] == "sdpa" and without.key != with_kernel.key

@@ -212,4 +212,4 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["harness_matmul"] = MATMUL
     # contiguous's attention kernel here: the C kernel where it builds, SDPA otherwise (1.3x apart at the
     # heavy point), so a baseline of one is no yardstick for the other.
-    machine_info["harness_attention"] = STRATEGIES["contiguous"]().kernel(torch.device("cpu"), DTYPE)
+    machine_info["harness_attention"] = STRATEGIES["contiguous"]().kernel(torch.device("cpu"), DTYPE, HEAVY_MODEL)
