@@ -8,8 +8,10 @@ captured at its own position, outside the timed window, and replayed inside it. 
 holds exactly the GPU work of that step.
 
 Capture records kernels without running them, but it does run the session's Python: the session's
-length advances during capture and the cache write happens at replay, so capture-then-replay is one
-step, as an eager call is.
+length advances during capture and the cache writes happen at replay. So the steps at positions
+ctx .. ctx + n - 1 are captured in a row first (the length then stands where n eager steps leave it),
+each graph reading the same static input token, and replayed in order, each fed the token the
+previous replay produced.
 """
 from __future__ import annotations
 
@@ -21,51 +23,53 @@ EAGER_WARMUP_STEPS = 3  # eager steps on a side stream before the first capture 
 
 
 class GraphedSteps:
-    """Captures and replays the decode steps of one session."""
+    """The decode steps of one session at positions start .. start + steps - 1, captured up front and
+    replayed in order.
 
-    def __init__(self, session, first_token: torch.Tensor):
+    Capturing every step before timing any keeps the capture's CPU work and synchronisations out of
+    the gaps between timed replays. The graphs share one memory pool, which is safe because they are
+    replayed in the order they were captured and an earlier graph never runs after a later one.
+    """
+
+    def __init__(self, session, first_token: torch.Tensor, steps: int):
         self.session = session
+        self.start = session.length
         self.token = first_token.clone()  # [B] static input of every captured step
         self._warm_up_eagerly()
+        self.graphs: list[tuple[torch.cuda.CUDAGraph, torch.Tensor]] = []  # (graph, its output token [B])
+        pool = None
+        for _ in range(steps):  # capture advances session.length, one position per graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                next_token = session.step(self.token).argmax(-1)  # [B]
+            pool = graph.pool()
+            self.graphs.append((graph, next_token))
+        self.next = 0  # index of the next step to replay
 
     def _warm_up_eagerly(self) -> None:
         """Run a few eager steps on a side stream, as torch asks before a capture, so lazy
         initialisation (cuBLAS handles, workspaces) does not happen inside it; rewound after."""
-        start = self.session.length
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(EAGER_WARMUP_STEPS):
                 self.session.step(self.token)
-                self.session.rewind(start)
+                self.session.rewind(self.start)
         torch.cuda.current_stream().wait_stream(side)
 
-    def capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Record the step at the session's current position; returns (graph, its output token [B]).
+    def first_step_probe(self, timed: Callable) -> Callable[[], float]:
+        """A warm-up probe for harness.timing.warm_up: replays the first step (each replay writes the
+        same K/V at the same position, so repeating it changes nothing), returns its seconds."""
+        graph, _ = self.graphs[0]
+        return lambda: timed(graph.replay)[1]
 
-        The output tensor is filled by each replay. The graph gets a memory pool of its own, freed
-        when the caller drops the graph and the output.
-        """
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            next_token = self.session.step(self.token).argmax(-1)  # [B]
-        return graph, next_token
-
-    def replay_step(self, token: torch.Tensor, timed: Callable) -> tuple[torch.Tensor, float]:
-        """One decode step fed `token` [B]: captured here, then replayed through `timed` (a
-        StepTimer.time). Returns (next token [B], seconds of the replay)."""
-        graph, next_token = self.capture()
+    def replay_next(self, token: torch.Tensor, timed: Callable) -> tuple[torch.Tensor, float]:
+        """The next decode step fed `token` [B]: replayed once untimed (a graph's first launch uploads
+        it to the device, which is not part of a step), then through `timed` (a StepTimer.time).
+        Returns (next token [B], seconds of the timed replay)."""
+        graph, next_token = self.graphs[self.next]
+        self.next += 1
         self.token.copy_(token)
+        graph.replay()  # idempotent: the same input writes the same K/V at the same position
         _, seconds = timed(graph.replay)
         return next_token.clone(), seconds
-
-    def replay_first_step_again(self, timed: Callable, rewind_to: int) -> Callable[[], float]:
-        """A warm-up probe for harness.timing.warm_up: the step at `rewind_to`, captured once and
-        replayed on every call (each replay writes the same K/V at the same position)."""
-        graph, _ = self.capture()
-        self.session.rewind(rewind_to)  # capture advanced the length; the replays do not
-
-        def probe() -> float:
-            return timed(graph.replay)[1]
-
-        return probe

@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from harness.cpu_linear import KERNELS as MATMUL_KERNELS
-from harness.graphs import GraphedSteps
+from harness.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.memory import GIB, PeakTracker, available_bytes, required_bytes
 from harness.model import build_model
 from harness.points import Point
@@ -86,13 +86,12 @@ def measure_point(point: Point) -> dict:
 
     t = point.timing
     if t.cuda_graphs:
-        graphed = GraphedSteps(session, first_token)
-        probe = graphed.replay_first_step_again(timer.time, rewind_to=point.ctx)
-        warmup_steps = warm_up(probe, t.warmup_min, t.warmup_max, t.settle_tolerance)
-        del probe  # frees the warm-up graph before the timed steps
+        graphed = GraphedSteps(session, first_token, point.decode_tokens)  # captures every step up front
+        warmup_steps = EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min,
+                                                    t.warmup_max, t.settle_tolerance)
 
-        def timed_step(token):  # captured at its position, replayed in the timed window
-            return graphed.replay_step(token, timer.time)
+        def timed_step(token):  # the step at the next position, replayed from its graph
+            return graphed.replay_next(token, timer.time)
     else:
         warmup_steps = warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
 

@@ -5,14 +5,19 @@ in a stale position or read the wrong input, the greedy tokens would differ from
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from harness.config import TimingConfig
 from harness.graphs import GraphedSteps
+from harness.measure import measure_point
 from harness.model import build_model
 from harness.timing import StepTimer
 from strategies import STRATEGIES, StrategyUnavailable
 from tests.conftest import GQA4
+from tests.test_ncu import tiny_point
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -24,10 +29,10 @@ def decode(strategy, model, prompt, graphed: bool) -> torch.Tensor:
     token = session.prefill(prompt).argmax(-1)  # [B]
     tokens = [token]
     timer = StepTimer(model.device)
-    replayer = GraphedSteps(session, token) if graphed else None
+    replayer = GraphedSteps(session, token, NEW - 1) if graphed else None
     for _ in range(NEW - 1):
         if graphed:
-            token, _ = replayer.replay_step(token, timer.time)
+            token, _ = replayer.replay_next(token, timer.time)
         else:
             token = session.step(token).argmax(-1)
         tokens.append(token)
@@ -46,3 +51,15 @@ def test_graph_replay_generates_the_eager_tokens(name, dtype):
     model = build_model(GQA4, device, dtype, seed=0)
     prompt = torch.randint(GQA4.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1)).to(device)
     assert torch.equal(decode(strategy, model, prompt, graphed=True), decode(strategy, model, prompt, graphed=False))
+
+
+@pytest.mark.parametrize("prefill", ["compute", "random"])
+def test_the_runner_path_with_graphs_times_the_eager_tokens(prefill):
+    """measure_point end to end (warm-up probe, captured steps, replays): same tokens as eager timing."""
+    eager = tiny_point(device="cuda", dtype="bfloat16", prefill=prefill, decode_tokens=6)
+    graphed = dataclasses.replace(eager, timing=TimingConfig(warmup_min=1, warmup_max=3, cuda_graphs=True))
+    eager_row, graphed_row = measure_point(eager), measure_point(graphed)
+    assert eager_row["status"] == graphed_row["status"] == "ok", (eager_row, graphed_row)
+    assert graphed_row["tokens_digest"] == eager_row["tokens_digest"]
+    assert graphed_row["timing_method"] == "CUDA events, CUDA graph replay"
+    assert graphed_row["decode_steps_timed"] == 6
