@@ -85,8 +85,6 @@ def resolve_backend(strategy: dict, device: str, dtype: str, shape: ModelConfig)
     from strategies.base import StrategyUnavailable
 
     chosen = get_class(strategy["_target_"])(name=strategy["name"], backend="auto")
-    if not hasattr(chosen, "resolve_backend"):
-        return strategy
     try:
         backend = chosen.resolve_backend(torch.device(device), getattr(torch, dtype), shape)
     except StrategyUnavailable:

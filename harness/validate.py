@@ -87,11 +87,9 @@ def validate(cfg, cuda_available) -> None:
     validate_model(cfg.model)
     validate_timing(cfg.timing)
 
-    from strategies.contiguous import BACKENDS as CONTIGUOUS_BACKENDS
-    from strategies.flash import BACKENDS as FLASH_BACKENDS
+    from hydra.utils import get_class
 
-    backends = {"flash": FLASH_BACKENDS, "contiguous": CONTIGUOUS_BACKENDS}.get(cfg.strategy.name, ())
-    _one_of("strategy.backend", cfg.strategy.backend, ("auto", *backends))
+    _one_of("strategy.backend", cfg.strategy.backend, ("auto", *get_class(cfg.strategy._target_).backends))
     if cfg.prefill == "random" and cfg.strategy.name == "no_cache":
         raise ConfigError("prefill", "random needs a cache to fill; no_cache recomputes the prompt, use prefill=compute")
 

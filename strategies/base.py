@@ -104,10 +104,18 @@ class Strategy(ABC):
     """A decode strategy: what it is called, which kernel it runs, and the sessions it makes."""
 
     caches_kv: bool = True  # False only for the recompute-everything reference
+    backends: tuple[str, ...] = ()  # kernel families `strategy.backend` may name besides auto
 
     def __init__(self, name: str, backend: str = "auto"):
+        if backend not in ("auto", *self.backends):
+            raise ValueError(f"strategy.backend: unknown '{backend}', allowed: {', '.join(('auto', *self.backends))}")
         self.name = name
         self.backend = backend
+
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
+        """The kernel family `auto` picks for this device, dtype and shape; strategies with one keep it.
+        Raises StrategyUnavailable where the configured backend cannot run."""
+        return self.backend
 
     @abstractmethod
     def kernel(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:

@@ -57,9 +57,9 @@ class ContiguousLayerCache:
 
 
 class ContiguousStrategy(Strategy):
+    backends = BACKENDS
+
     def __init__(self, name: str = "contiguous", backend: str = "auto"):
-        if backend not in ("auto", *BACKENDS):
-            raise ValueError(f"strategy.backend: unknown '{backend}', allowed: auto, {', '.join(BACKENDS)}")
         super().__init__(name, backend)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:

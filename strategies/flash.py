@@ -94,9 +94,9 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
 
 
 class FlashStrategy(Strategy):
+    backends = BACKENDS
+
     def __init__(self, name: str = "flash", backend: str = "auto"):
-        if backend not in ("auto", *BACKENDS):
-            raise ValueError(f"strategy.backend: unknown '{backend}', allowed: auto, {', '.join(BACKENDS)}")
         super().__init__(name, backend)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
