@@ -16,7 +16,9 @@ import torch
 
 from harness.config import ModelConfig
 from harness.model import build_model
-from strategies import STRATEGIES
+from harness.run.catalog import strategy_catalog
+
+STRATEGIES = strategy_catalog()
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("points", nargs="+", help="BATCHxCTX, e.g. 8x16384")

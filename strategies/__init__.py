@@ -1,17 +1,10 @@
 """Decode strategies: one file each, all behind the interface in `strategies.base`.
 
-A strategy decides what a decode step stores and reads. Hydra instantiates one from `conf/strategy/`
-(`_target_`), and `STRATEGIES` maps each option name to its class for code that builds one directly.
+A strategy decides what a decode step stores and reads, and declares what it is (caches K/V, exact,
+devices, dtypes, backends) as class attributes. Hydra instantiates one from `conf/strategy/<name>.yaml`
+(`_target_`); harness.run.catalog lists every option of that group, shipped or on Hydra's search path.
+Nothing here imports the harness beyond harness.config and harness.model.
 """
-from strategies.base import DecodeSession, LayerCache, Strategy, StrategyUnavailable
-from strategies.contiguous import ContiguousStrategy
-from strategies.flash import FlashStrategy
-from strategies.no_cache import NoCacheStrategy
+from strategies.base import DecodeSession, LayerCache, Strategy, StrategyOptionError, StrategyUnavailable
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "no_cache": NoCacheStrategy,
-    "contiguous": ContiguousStrategy,
-    "flash": FlashStrategy,
-}
-
-__all__ = ["STRATEGIES", "DecodeSession", "LayerCache", "Strategy", "StrategyUnavailable"]
+__all__ = ["DecodeSession", "LayerCache", "Strategy", "StrategyOptionError", "StrategyUnavailable"]

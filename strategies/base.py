@@ -11,16 +11,23 @@ Two objects per strategy:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol, Sequence
+from typing import ClassVar, Protocol, Sequence
 
 import torch
 
-from harness.config import ModelConfig
-from harness.random_fill import uniform_like_normal_
+from harness.config import CONTIGUOUS, CacheLayout, ConfigError, ModelConfig
+from harness.model.random_fill import uniform_like_normal_
 
 
 class StrategyUnavailable(Exception):
     """This strategy cannot run on this device/dtype/installation. The message is the reason."""
+
+
+class StrategyOptionError(ConfigError):
+    """A strategy option (or a run key, with top_level) the strategy refuses: one line naming the key."""
+
+    def __init__(self, option: str, message: str, top_level: bool = False):
+        super().__init__(option if top_level else f"strategy.{option}", message)
 
 
 class LayerCache(Protocol):
@@ -101,28 +108,64 @@ class CachedSession(DecodeSession):
 
 
 class Strategy(ABC):
-    """A decode strategy: what it is called, which kernel it runs, and the sessions it makes."""
+    """A decode strategy: what it declares it is, which kernel it runs, and the sessions it makes.
 
-    caches_kv: bool = True  # False only for the recompute-everything reference
-    backends: tuple[str, ...] = ()  # kernel families `strategy.backend` may name besides auto
+    Capabilities are class attributes, read by the harness and never inferred from a name (as
+    transformers' cache layers declare `is_compileable` or `is_sliding`). Options are the keyword
+    arguments of `__init__`: conf/strategy/<name>.yaml sets them, and a subclass checks its own in
+    `__init__` by raising StrategyOptionError, which the runner shows as one line naming the key.
+    """
 
-    def __init__(self, name: str, backend: str = "auto"):
+    name: ClassVar[str]  # option name under conf/strategy/ and the row's `strategy`
+    caches_kv: ClassVar[bool] = True  # stores K/V between steps (False only for the recompute reference)
+    exact: ClassVar[bool] = True  # proven (tests/test_exactness.py) to generate the no-cache reference's tokens
+    reference: ClassVar[bool] = False  # the recompute-everything strategy every other one is compared with
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types it can run on
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")  # compute dtypes it can run in
+    backends: ClassVar[tuple[str, ...]] = ()  # kernel families `strategy.backend` may name besides auto
+
+    def __init__(self, backend: str = "auto"):
         if backend not in ("auto", *self.backends):
-            raise ValueError(f"strategy.backend: unknown '{backend}', allowed: {', '.join(('auto', *self.backends))}")
-        self.name = name
+            raise StrategyOptionError("backend", f"unknown value {backend!r}, allowed: {', '.join(('auto', *self.backends))}")
         self.backend = backend
+
+    def options(self) -> dict:
+        """The options besides `backend` this instance was built with (recorded in the point's key)."""
+        return {}
+
+    def cache_layout(self) -> CacheLayout | None:
+        """How this strategy stores K/V, for the analytic model; None when it stores none."""
+        return CONTIGUOUS if self.caches_kv else None
+
+    def check_point(self, prefill: str, shape: ModelConfig, max_len: int) -> None:
+        """Refuse, with StrategyOptionError, a point this strategy cannot mean anything at (checked
+        before anything runs). Device and dtype are not refused here: they make a skipped row."""
+        if prefill == "random" and not self.caches_kv:
+            raise StrategyOptionError("prefill", f"random needs a cache to fill; {self.name} keeps none, use prefill=compute",
+                                      top_level=True)
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why the declared devices and dtypes exclude this point, or None."""
+        if device.type not in self.devices:
+            return f"{self.name} runs on {', '.join(self.devices)}; this point runs on {device.type}"
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in self.dtypes:
+            return f"{self.name} supports {', '.join(self.dtypes)}; dtype is {dtype_name}"
+        return None
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
         """The kernel family `auto` picks for this device, dtype and shape; strategies with one keep it.
-        Raises StrategyUnavailable where the configured backend cannot run."""
+        Raises StrategyUnavailable where the strategy or the configured backend cannot run."""
+        reason = self.unavailable(device, dtype)
+        if reason is not None:
+            raise StrategyUnavailable(reason)
         return self.backend
 
     @abstractmethod
     def kernel(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
-        """Name of the attention kernel a session on this device/dtype (and model shape, a
-        harness.config.ModelConfig, where the choice depends on it) will run.
-
-        Raises StrategyUnavailable with the reason when the strategy cannot run here.
+        """Name of the attention kernel a session on this device/dtype (and model shape, where the
+        choice depends on it) will run: recorded in the row's `kernel` column, so it must name what
+        actually runs. Raises StrategyUnavailable with the reason when the strategy cannot run here.
         """
 
     @abstractmethod

@@ -57,13 +57,12 @@ class ContiguousLayerCache:
 
 
 class ContiguousStrategy(Strategy):
+    name = "contiguous"
     backends = BACKENDS
-
-    def __init__(self, name: str = "contiguous", backend: str = "auto"):
-        super().__init__(name, backend)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""
+        super().resolve_backend(device, dtype, shape)
         if self.backend == "sdpa":
             return "sdpa"
         reason = cpu_kernel.unavailable(device, dtype)

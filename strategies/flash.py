@@ -94,16 +94,13 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
 
 
 class FlashStrategy(Strategy):
+    name = "flash"
+    devices = ("cuda",)  # FlashAttention kernels exist for CUDA only
+    dtypes = ("bfloat16", "float16")  # and for the half-precision types only
     backends = BACKENDS
 
-    def __init__(self, name: str = "flash", backend: str = "auto"):
-        super().__init__(name, backend)
-
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-        if device.type != "cuda":
-            raise StrategyUnavailable(f"FlashAttention kernels need CUDA; this point runs on {device.type}")
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise StrategyUnavailable(f"FlashAttention supports float16/bfloat16 only; dtype is {dtype}")
+        super().resolve_backend(device, dtype, shape)
         candidates = BACKENDS if self.backend == "auto" else (self.backend,)
         reasons = []
         for backend in candidates:

@@ -41,12 +41,12 @@ class NoCacheSession(DecodeSession):
 
 
 class NoCacheStrategy(Strategy):
+    name = "no_cache"
     caches_kv = False
-
-    def __init__(self, name: str = "no_cache", backend: str = "auto"):
-        super().__init__(name, backend)
+    reference = True  # exact by definition: the tokens every other strategy must reproduce
 
     def kernel(self, device, dtype, shape=None) -> str:
+        self.resolve_backend(device, dtype, shape)
         return KERNEL_NAME
 
     def new_session(self, model, batch: int, max_len: int) -> NoCacheSession:

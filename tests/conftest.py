@@ -11,8 +11,10 @@ import torch
 
 from harness.config import ModelConfig
 from harness.model import build_model
+from harness.run.catalog import strategy_catalog
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = strategy_catalog()  # option name -> class, every strategy of conf/strategy/
 
 # The shape classes every strategy is proven exact on (GQA group sizes 2 and 4, the 8B width).
 TINY = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
@@ -34,6 +36,13 @@ def generate(strategy, model, prompt: torch.Tensor, new_tokens: int) -> torch.Te
 
 def cpu_model(shape: ModelConfig, dtype=torch.float32, seed: int = 0):
     return build_model(shape, torch.device("cpu"), dtype, seed)
+
+
+def planned_point(*overrides: str):
+    """The Point a command line resolves to (the runner's own plan), on the CPU."""
+    from harness.run.plan import plan
+
+    return plan(["device=cpu", *overrides], cuda_available=lambda: False).jobs[0].point
 
 
 def run_cli(*args: str, module: str = "harness.run", timeout: float = 600, **popen) -> subprocess.CompletedProcess:

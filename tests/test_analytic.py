@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import analytic
-from harness.analytic import Roof
-from harness.config import ModelConfig
-from harness.hardware import HardwareError, available_hardware, load_hardware, resolve
+from harness.analysis import analytic
+from harness.analysis.analytic import Roof
+from harness.config import CONTIGUOUS, CacheLayout, ModelConfig
+from harness.analysis.hardware import HardwareError, available_hardware, load_hardware, resolve
 from tests.report_fixtures import write_calibration
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,26 +41,57 @@ def test_hand_shape_flops():
     # 4 FLOPs * 4 keys * 2 heads * head_dim 2 * 1 layer = 64
     assert analytic.decode_step_flops(HAND, batch=1, context=3) == 288 + 80 + 64
     # no cache at context 3: 4 tokens, 4*288 + one head 80 + causal pairs 1+2+3+4 = 10, 16 FLOPs each
-    assert analytic.decode_step_flops(HAND, batch=1, context=3, cached=False) == 4 * 288 + 80 + 10 * 16
+    assert analytic.decode_step_flops(HAND, batch=1, context=3, layout=None) == 4 * 288 + 80 + 10 * 16
     assert analytic.decode_step_flops(HAND, batch=2, context=3) == 2 * (288 + 80 + 64)
     # prefill of 3 tokens: 3*288 + 80 + pairs 1+2+3 = 6
     assert analytic.prefill_flops(HAND, batch=1, prompt=3) == 3 * 288 + 80 + 6 * 16
 
 
-@pytest.mark.parametrize("cached", [True, False])
+LAYOUTS = {"no_cache": None, "contiguous": CONTIGUOUS, "paged16": CacheLayout(block_size=16),
+           "static_full": CacheLayout(reads_max_len=True), "dynamic": CacheLayout(copies_per_step=True),
+           "int4_window": CacheLayout(value_bits=4, scale_bytes_per_token=8, residual_tokens=32)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("batch,prompt,steps", [(1, 1, 1), (2, 7, 5), (3, 16, 9), (1, 100, 64)])
-def test_generate_flops_closed_form_equals_the_sum_of_steps(cached, batch, prompt, steps):
-    by_step = sum(analytic.decode_step_flops(HAND, batch, prompt + i, cached) for i in range(steps))
-    assert analytic.generate_flops(HAND, batch, prompt, steps, cached) == by_step
+def test_generate_flops_closed_form_equals_the_sum_of_steps(layout, batch, prompt, steps):
+    by_step = sum(analytic.decode_step_flops(HAND, batch, prompt + i, layout, prompt + steps) for i in range(steps))
+    assert analytic.generate_flops(HAND, batch, prompt, steps, layout) == by_step
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("batch,prompt,steps", [(1, 1, 1), (2, 7, 5), (8, 3000, 37), (1, 100, 300), (32, 1, 999)])
+@pytest.mark.parametrize("roof", [analytic.Roof(1e9, 1e9), analytic.Roof(1e11, 3e10), analytic.Roof(1e15, 1e9)])
+def test_generate_time_closed_form_equals_the_sum_of_step_roofline_times(layout, batch, prompt, steps, roof):
+    """The closed form splits the sum where a step's FLOPs and bytes cross; the brute-force sum of
+    each step's roofline time is the definition. A residual window's sawtooth enters as its mean."""
+    shape = LLAMA3_70B if batch > 8 else HAND
+    by_step = sum(analytic.decode_step_time(shape, "bfloat16", batch, prompt + i, roof, layout, prompt + steps)
+                  for i in range(steps))
+    closed = analytic.generate_time(shape, "bfloat16", batch, prompt, steps, roof, layout)
+    tolerance = 2e-2 if layout is not None and layout.residual_tokens else 1e-9
+    assert closed == pytest.approx(by_step, rel=tolerance)
+    mean = analytic.mean_decode_step(shape, "bfloat16", batch, prompt, steps, layout, roof)
+    mean_bytes = sum(analytic.decode_step_bytes(shape, "bfloat16", batch, prompt + i, layout, prompt + steps)["total"]
+                     for i in range(steps)) / steps
+    assert mean.bytes == pytest.approx(mean_bytes, rel=1e-12) and mean.seconds == pytest.approx(closed / steps)
+
+
+def test_huge_sizes_are_answered_in_closed_form_at_once():
+    import time
+
+    began = time.perf_counter()
+    seconds = analytic.generate_time(LLAMA3_70B, "bfloat16", 128, 10**9, 10**12, analytic.Roof(989e12, 3.35e12))
+    assert seconds > 0 and time.perf_counter() - began < 0.05
 
 
 def test_hand_shape_step_bytes_and_prefill_bytes():
     # decode reads every weight but the embedding table, plus one embedding row per sequence
     weights = (236 - 40 + 2 * 4) * 4
     step = analytic.decode_step_bytes(HAND, "float32", batch=2, context=5)
-    assert step == {"weights": weights, "cache_read": 2 * 5 * 16, "cache_write": 2 * 16,
+    assert step == {"weights": weights, "cache_read": 2 * 5 * 16, "cache_write": 2 * 16, "cache_copy": 0,
                     "total": weights + 160 + 32}
-    assert analytic.decode_step_bytes(HAND, "float32", 2, 5, cached=False)["total"] == weights
+    assert analytic.decode_step_bytes(HAND, "float32", 2, 5, layout=None)["total"] == weights
     prefill = analytic.prefill_bytes(HAND, "float32", batch=2, prompt=5)
     assert prefill["total"] == (236 - 40 + 10 * 4) * 4 + 10 * 16
     assert analytic.prefill_bytes_per_token(HAND, "float32", 2, 5) == prefill["total"] / 10
@@ -69,7 +100,7 @@ def test_hand_shape_step_bytes_and_prefill_bytes():
 
 def test_roofline_time_bound_and_ridge():
     roof = Roof(flops_per_s=100.0, bytes_per_s=10.0)
-    assert roof.ridge == analytic.ridge_point(roof) == 10.0
+    assert roof.ridge == 10.0
     assert analytic.roofline_time(50, 20, roof) == 2.0  # bytes: 2 s > FLOPs: 0.5 s
     assert analytic.bound(50, 20, roof) == "memory"
     assert analytic.roofline_time(500, 20, roof) == 5.0
@@ -98,9 +129,9 @@ def test_llama3_70b_worked_example_of_the_guide():
 def test_flop_ratio_grows_with_context_but_time_ratio_stays_far_smaller():
     flop_ratios, time_ratios = [], []
     for ctx in (512, 2048, 8192, 32768):
-        flop_ratios.append(analytic.generate_flops(LLAMA3_70B, 1, ctx, 64, cached=False)
+        flop_ratios.append(analytic.generate_flops(LLAMA3_70B, 1, ctx, 64, layout=None)
                            / analytic.generate_flops(LLAMA3_70B, 1, ctx, 64))
-        time_ratios.append(analytic.generate_time(LLAMA3_70B, "bfloat16", 1, ctx, 64, H100, cached=False)
+        time_ratios.append(analytic.generate_time(LLAMA3_70B, "bfloat16", 1, ctx, 64, H100, layout=None)
                            / analytic.generate_time(LLAMA3_70B, "bfloat16", 1, ctx, 64, H100))
     assert flop_ratios == sorted(flop_ratios) and flop_ratios[-1] > 10_000
     for flops, time in zip(flop_ratios, time_ratios):
@@ -135,7 +166,7 @@ def test_measured_hardware_reads_the_calibration_or_says_there_is_none(tmp_path)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.analytic", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "harness.analysis", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -155,7 +186,7 @@ def test_cli_json_has_every_key_and_agrees_with_the_functions():
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(capsys):
-    from harness.analytic_cli import main  # in-process: a subprocess per case would cost a second each
+    from harness.analysis.cli import main  # in-process: a subprocess per case would cost a second each
 
     for args, key in ((["model=llama3_7b"], "model:"), (["dtype=int8"], "dtype:"), (["batch=0"], "batch:"),
                       (["batch=abc"], "batch:"), (["model.n_layerz=1"], "model.n_layerz:"),
@@ -167,7 +198,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys):
 
 @pytest.mark.parametrize("hardware", ["h100_sxm", "h200", "a100_80g"])
 def test_every_datasheet_composes_through_the_cli(hardware, capsys):
-    from harness.analytic_cli import main
+    from harness.analysis.cli import main
 
     assert main([f"hardware={hardware}", "model=tiny", "dtype=float32", "ctx=8", "decode_tokens=2",
                  "format=json"]) == 0

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.preflight import plan
-from harness.validate import ConfigError
+from harness.run.plan import plan
+from harness.config.validate import ConfigError
 from tests.conftest import run_cli
 
 NO_CUDA = lambda: False  # noqa: E731
 
 BAD = {  # override -> key the message must name
-    "strategy=paged": "strategy",
+    "strategy=nosuch": "strategy",
     "model=llama9": "model",
     "device=tpu": "device",
     "dtype=int4": "dtype",
@@ -54,10 +54,10 @@ def test_a_list_without_multirun_says_to_add_m():
 
 def test_unknown_option_lists_what_is_allowed():
     with pytest.raises(ConfigError, match="allowed: .*contiguous.*flash.*no_cache"):
-        plan(["strategy=paged"], cuda_available=NO_CUDA)
+        plan(["strategy=nosuch"], cuda_available=NO_CUDA)
 
 
-@pytest.mark.parametrize("args", [["strategy=paged"], ["batch=0"], ["-m", "model=tiny", "ctx=8,abc"],
+@pytest.mark.parametrize("args", [["strategy=nosuch"], ["batch=0"], ["-m", "model=tiny", "ctx=8,abc"],
                                   ["model=llama3_70b", "device=cpu"]])
 def test_cli_exits_2_with_one_line_and_writes_nothing(results_dir, args):
     result = run_cli(*args, f"results_dir={results_dir}")

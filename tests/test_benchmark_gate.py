@@ -1,4 +1,4 @@
-"""The benchmark gate (harness.bench_gate) on synthetic pytest-benchmark JSON: it passes an unchanged
+"""The benchmark gate (harness.bench.gate) on synthetic pytest-benchmark JSON: it passes an unchanged
 run and a uniformly slower machine, and fails a planted slowdown of one strategy, naming it."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness import bench_gate
+from harness.bench import gate as bench_gate
 
 MS = 1e-3
 LIGHT, HEAVY = 82_000_000, 150_000_000  # bytes a decode step moves (light point, heavy point)
@@ -27,7 +27,7 @@ def run_json(scale: float = 1.0, slower: dict[str, float] | None = None, threads
         bench("test_control_read_bandwidth", 20 * MS, role="control", kernel="gemv", bytes=256 << 20),
         bench("test_roof_matmul", 10 * MS, role="roof_flops", kernel="gemm", flops=2 * 1024**3),
         bench("test_decode_step[light-no_cache]", 40 * MS, role="decode", point="light", strategy="no_cache",
-              bytes=65_000_000, flops=3_200_000_000),
+              caches_kv=False, bytes=65_000_000, flops=3_200_000_000),
         bench("test_decode_step[light-contiguous]", 12 * MS, role="decode", point="light", strategy="contiguous",
               bytes=LIGHT, flops=34_000_000),
         bench("test_decode_step[heavy-contiguous]", 12 * MS, role="decode", point="heavy", strategy="contiguous",
@@ -169,11 +169,12 @@ def test_the_facts_are_computed_against_the_same_run_roofs():
     run = bench_gate.read_run_data(run_json())
     facts = bench_gate.facts(run)
     bandwidth = (256 << 20) / (20 * MS)
-    assert facts["bandwidth_fraction[heavy]"] == pytest.approx(HEAVY / (12 * MS) / bandwidth)
+    assert facts["bandwidth_fraction[heavy-contiguous]"] == pytest.approx(HEAVY / (12 * MS) / bandwidth)
     flops_roof = 2 * 1024**3 / (10 * MS)
     predicted = max(3.2e9 / flops_roof, 65e6 / bandwidth) / max(34e6 / flops_roof, LIGHT / bandwidth)
-    assert facts["speedup_fraction[light]"] == pytest.approx((40 / 12) / predicted)
-    assert set(facts) == {"bandwidth_fraction[light]", "bandwidth_fraction[heavy]", "speedup_fraction[light]"}
+    assert facts["speedup_fraction[light-contiguous]"] == pytest.approx((40 / 12) / predicted)
+    assert set(facts) == {"bandwidth_fraction[light-contiguous]", "bandwidth_fraction[heavy-contiguous]",
+                          "speedup_fraction[light-contiguous]"}
     # dimensionless: a uniformly slower machine leaves every fact where it was
     slower = bench_gate.facts(bench_gate.read_run_data(run_json(scale=1.4)))
     assert slower == pytest.approx(facts)
@@ -182,10 +183,11 @@ def test_the_facts_are_computed_against_the_same_run_roofs():
 def test_a_fact_below_its_floor_fails(tmp_path, baseline, capsys):
     """contiguous slowed at the light point until both its facts fall below their floors."""
     facts = bench_gate.facts(bench_gate.read_run_data(run_json()))
-    margin = max(facts[f"{name}[light]"] / floor for name, floor in bench_gate.FLOORS.items())
+    margin = max(facts[f"{name}[light-contiguous]"] / floor for name, floor in bench_gate.FLOORS.items())
     code, out = gate(tmp_path, baseline, run_json(slower={"test_decode_step[light-contiguous]": 1.2 * margin}), capsys)
     assert code == 1
-    assert "BELOW FLOOR speedup_fraction[light]" in out and "BELOW FLOOR bandwidth_fraction[light]" in out
+    assert "BELOW FLOOR speedup_fraction[light-contiguous]" in out
+    assert "BELOW FLOOR bandwidth_fraction[light-contiguous]" in out
 
 
 def test_a_run_without_a_control_is_an_input_error(tmp_path, baseline, capsys):
@@ -206,9 +208,9 @@ def test_the_baseline_is_the_median_of_several_runs(tmp_path):
 def test_the_committed_baseline_covers_the_suite():
     """Every gated benchmark of the suite that runs on a CPU has a committed baseline ratio."""
     committed = json.loads(bench_gate.BASELINE.read_text())
-    from tests.benchmarks.conftest import POINTS
+    from tests.benchmarks.test_decode_benchmarks import CASES, CATALOG
 
-    cpu_strategies = ("no_cache", "contiguous")
-    expected = {f"test_decode_step[{p.name}-{s}]" for p in POINTS.values() for s in p.strategies if s in cpu_strategies}
+    on_a_cpu = {name for name, cls in CATALOG.items() if "cpu" in cls.devices and "float32" in cls.dtypes}
+    expected = {f"test_decode_step[{p.name}-{s}]" for p, s in CASES if s in on_a_cpu}
     assert set(committed["ratios"]) == expected | {"test_prefill"}
     assert committed["control"] == "test_control_read_bandwidth"

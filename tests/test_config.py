@@ -5,18 +5,20 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
+from hydra.utils import get_class
 
-from harness import analytic
+from harness.analysis import analytic
 from harness.config import ModelConfig, model_config_from, register_schemas
-from harness.preflight import CONFIG_DIR
-from harness.validate import validate
+from harness.run.plan import CONFIG_DIR
+from harness.config.validate import validate_run
+from harness.run.resolve import point_from_config
 from strategies import Strategy
 
-GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in Path(CONFIG_DIR).iterdir() if group.is_dir()}
+GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in Path(CONFIG_DIR).iterdir()
+          if group.is_dir() and not group.name.startswith("_")}
 OPTIONS = [(group, option) for group, options in GROUPS.items() for option in options]
 RUN_GROUPS = ("model", "strategy", "sweep")  # groups of the runner's config; others belong to other tools
-PUBLISHED = {  # GUIDE §1: d_model, n_layers, n_heads, ffn_dim (all: vocab 128256, head_dim 128, 8 KV heads)
+PUBLISHED = {  # Meta's published shapes: d_model, n_layers, n_heads, ffn_dim (all: vocab 128256, head_dim 128, 8 KV heads)
     "llama3_8b": (4096, 32, 32, 14336),
     "llama3_70b": (8192, 80, 64, 28672),
     "llama3_405b": (16384, 126, 128, 53248),
@@ -38,8 +40,9 @@ def compose_with(group: str, option: str):
 @pytest.mark.parametrize("group,option", [o for o in OPTIONS if o[0] in RUN_GROUPS])
 def test_option_composes_validates_and_instantiates(group, option):
     cfg = compose_with(group, option)
-    validate(cfg, cuda_available=lambda: False)
-    assert isinstance(instantiate(cfg.strategy), Strategy)
+    validate_run(cfg, cuda_available=lambda: False)
+    point = point_from_config(cfg)
+    assert isinstance(point.strategy.instantiate(), Strategy)
     shape = model_config_from(cfg.model)
     assert isinstance(shape, ModelConfig) and analytic.params(shape) > 0
 
@@ -63,5 +66,6 @@ def test_any_field_can_be_overridden():
 
 
 def test_strategy_name_matches_its_option():
+    """Rows name a strategy by its class; the option's file name must be that name."""
     for option in GROUPS["strategy"]:
-        assert compose_with("strategy", option).strategy.name == option
+        assert get_class(compose_with("strategy", option).strategy._target_).name == option

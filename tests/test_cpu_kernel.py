@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies import STRATEGIES, StrategyUnavailable, cpu_kernel
+from strategies import StrategyUnavailable, cpu_kernel
+from tests.conftest import STRATEGIES
 from strategies.contiguous import C_KERNEL
 from tests.conftest import GQA4
 
@@ -59,16 +60,16 @@ def test_large_scores_do_not_overflow():
 
 def test_a_built_kernel_is_reused(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
-    first = cpu_kernel._build("gcc")
+    first = cpu_kernel.CONTIGUOUS_KERNEL.build("gcc")
     built_at = first.stat().st_mtime_ns
-    assert cpu_kernel._build("gcc") == first and first.stat().st_mtime_ns == built_at
+    assert cpu_kernel.CONTIGUOUS_KERNEL.build("gcc") == first and first.stat().st_mtime_ns == built_at
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
 def test_a_failed_build_names_the_compiler_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="false could not build cpu_decode_attention.c"):
-        cpu_kernel._build("false")
+        cpu_kernel.CONTIGUOUS_KERNEL.build("false")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -89,15 +90,14 @@ def test_contiguous_names_the_kernel_it_runs():
 def test_a_points_key_names_the_kernel_auto_chose(monkeypatch, tmp_path):
     """backend=auto depends on a compiler being there: the point records what it resolved to, so a
     resumed sweep on a machine without one never reuses a row the C kernel measured, or back."""
-    from harness.points import point_from_config
-    from harness.preflight import plan
+    from tests.conftest import planned_point
 
     def point(*overrides):
-        return point_from_config(plan(["model=tiny", "device=cpu", *overrides], cuda_available=lambda: False).jobs[0])
+        return planned_point("model=tiny", *overrides)
 
     with_kernel = point()
-    assert with_kernel.strategy["backend"] == "c"
-    assert point("dtype=bfloat16").strategy["backend"] == "sdpa"
-    monkeypatch.setattr(cpu_kernel, "_library", lambda: "no C compiler (false) on PATH")
+    assert with_kernel.strategy.backend == "c"
+    assert point("dtype=bfloat16").strategy.backend == "sdpa"
+    monkeypatch.setitem(cpu_kernel.CONTIGUOUS_KERNEL.__dict__, "_loaded", "no C compiler (false) on PATH")
     without = point()
-    assert without.strategy["backend"] == "sdpa" and without.key != with_kernel.key
+    assert without.strategy.backend == "sdpa" and without.key != with_kernel.key

@@ -1,6 +1,6 @@
 """`timing.cuda_graphs=true`: graph-replayed decode steps produce the eager steps' tokens (CUDA only).
 
-Each step is captured at its position and replayed (harness.graphs); if capture missed a kernel, baked
+Each step is captured at its position and replayed (harness.measure.graphs); if capture missed a kernel, baked
 in a stale position or read the wrong input, the greedy tokens would differ from the eager run's.
 """
 from __future__ import annotations
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from harness.config import TimingConfig
-from harness.graphs import GraphedSteps
-from harness.measure import measure_point
+from harness.measure.graphs import GraphedSteps
+from harness.measure.point import measure_point
 from harness.model import build_model
-from harness.timing import StepTimer
-from strategies import STRATEGIES, StrategyUnavailable
+from harness.measure.timing import StepTimer
+from strategies import StrategyUnavailable
+from tests.conftest import STRATEGIES
 from tests.conftest import GQA4
 from tests.test_ncu import tiny_point
 

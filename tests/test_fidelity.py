@@ -8,13 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import calibrate
-from harness.measure import measure_point
-from harness.points import Point
-from harness.config import TimingConfig
-from tests.conftest import TINY, run_cli
-
-CONTIGUOUS = {"_target_": "strategies.contiguous.ContiguousStrategy", "name": "contiguous", "backend": "auto"}
+from harness.measure.point import measure_point
+from harness.store import calibration as calibrate
+from tests.conftest import TINY, planned_point, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +61,8 @@ def test_a_record_from_another_host_is_not_reused(tmp_path):
     assert calibrate.load(tmp_path, "cpu", "float32") is None
 
 
-def point(prefill: str) -> Point:
-    return Point(model=TINY, strategy=CONTIGUOUS, timing=TimingConfig(), batch=2, ctx=24, decode_tokens=4,
-                 device="cpu", dtype="float32", seed=0, prefill=prefill, traffic="model")
+def point(prefill: str):
+    return planned_point("model=tiny", "strategy=contiguous", "batch=2", "ctx=24", "decode_tokens=4", f"prefill={prefill}")
 
 
 def test_random_prefill_fills_the_same_cache_and_times_the_same_steps(monkeypatch):
@@ -95,8 +90,7 @@ def test_random_prefill_fills_the_same_cache_and_times_the_same_steps(monkeypatc
 
 
 def test_random_prefill_writes_random_keys_and_values():
-    from strategies import STRATEGIES
-    from tests.conftest import cpu_model
+    from tests.conftest import STRATEGIES, cpu_model
 
     session = STRATEGIES["contiguous"]().new_session(cpu_model(TINY), 2, 32)
     session.fill_random(24, torch.Generator().manual_seed(0))

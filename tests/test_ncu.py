@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from harness.config import TimingConfig
-from harness.ncu import (
+from harness.measure.ncu import (
     NcuParseError, ncu_available, ncu_command, measure_traffic, parse_ncu_csv,
 )
-from harness.ncu_target import run_decode_steps
-from harness.points import point_from_identity
-from harness.points import Point
-from tests.conftest import TINY
+from harness.measure.ncu_target import run_decode_steps
+from harness.config.point import point_from_identity
+from harness.config import Point
+from tests.conftest import planned_point, TINY
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ncu_decode_sample.csv"
 # The fixture: 2 decode steps x 3 kernels; reads in Mbyte, writes in Kbyte, some with "," separators.
@@ -30,13 +30,10 @@ HEADER = '"ID","Process ID","Kernel Name","dram__bytes_read.sum","dram__bytes_wr
 
 
 def tiny_point(**changes) -> Point:
-    point = Point(
-        model=TINY, strategy={"_target_": "strategies.contiguous.ContiguousStrategy", "name": "contiguous",
-                              "backend": "auto"},
-        timing=TimingConfig(warmup_min=1, warmup_max=2), batch=2, ctx=8, decode_tokens=2, device="cpu",
-        dtype="float32", seed=3,
-        prefill="compute", traffic="model",
-    )
+    """A contiguous point on `tiny`, resolved on the CPU (its backend: SDPA, so it runs on any device
+    the test moves it to)."""
+    point = planned_point("model=tiny", "strategy=contiguous", "strategy.backend=sdpa", "batch=2", "ctx=8",
+                          "decode_tokens=2", "seed=3", "timing.warmup_min=1", "timing.warmup_max=2")
     return dataclasses.replace(point, **changes)
 
 
@@ -91,8 +88,8 @@ def test_malformed_output_raises_a_clear_error(text, message):
 
 
 def test_command_filters_the_decode_range_and_reads_dram_without_flushing():
-    command = ncu_command(["python", "-m", "harness.ncu_target", "{}"], ncu="/opt/ncu")
-    assert command[0] == "/opt/ncu" and command[-4:] == ["python", "-m", "harness.ncu_target", "{}"]
+    command = ncu_command(["python", "-m", "harness.measure.ncu_target", "{}"], ncu="/opt/ncu")
+    assert command[0] == "/opt/ncu" and command[-4:] == ["python", "-m", "harness.measure.ncu_target", "{}"]
     flags = command[1:-4]
     pairs = {flags[i]: flags[i + 1] for i in range(len(flags) - 1)}
     assert "--nvtx" in flags and pairs["--nvtx-include"] == "decode/"
@@ -137,7 +134,7 @@ def test_measure_traffic_parses_the_fake_ncus_output_end_to_end(fake_ncu, tmp_pa
     }
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[argv.index("--nvtx-include") + 1] == "decode/"
-    program = argv[argv.index("harness.ncu_target") - 2:]  # python -m harness.ncu_target <json>
+    program = argv[argv.index("harness.measure.ncu_target") - 2:]  # python -m harness.measure.ncu_target <json>
     assert program[0] == sys.executable and point_from_identity(json.loads(program[3])) == point
 
 
@@ -175,14 +172,14 @@ def test_point_survives_the_json_round_trip():
 
 @pytest.mark.parametrize("prefill", ["compute", "random"])
 def test_target_generates_the_tokens_measure_point_timed(prefill):
-    from harness.measure import measure_point
+    from harness.measure.point import measure_point
 
     point = tiny_point(prefill=prefill)
     assert run_decode_steps(point).tolist() == measure_point(point)["tokens"]
 
 
 def test_target_main_reads_the_json_argument_and_prints_nothing(capsys):
-    from harness.ncu_target import main
+    from harness.measure.ncu_target import main
 
     assert main([json.dumps(tiny_point().identity())]) == 0
     assert capsys.readouterr().out == ""  # ncu's CSV shares this stdout

@@ -1,4 +1,4 @@
-"""Seeded parallel fill (harness.random_fill): same values for the same seed whatever the thread count,
+"""Seeded parallel fill (harness.model.random_fill): same values for the same seed whatever the thread count,
 every element written exactly once, the requested standard deviation."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from harness import random_fill
-from harness.random_fill import uniform_like_normal_
+from harness.model import random_fill
+from harness.model.random_fill import uniform_like_normal_
 
 
 def filled(shape, threads: int, seed: int = 0, std: float = 0.5) -> torch.Tensor:

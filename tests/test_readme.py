@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from harness.schema import COLUMNS
+from harness.store.schema import COLUMNS
 from tests.conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()

@@ -1,4 +1,5 @@
-"""The report stage: every measured row beside its analytic prediction, and GUIDE section 1 answered.
+"""Stage 6 of the pipeline: every measured row beside its analytic prediction, and the questions a KV
+cache raises answered with this machine's numbers.
 
     python -m harness.report results_dir=results [hardware=h100_sxm] [out=<folder>]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from harness.report.build import ReportError, build_report
-from harness.results import DEFAULT_FALLBACK_HARDWARE
+from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE
 
 KEYS = {"results_dir": "results", "hardware": DEFAULT_FALLBACK_HARDWARE, "out": None}
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.hardware import available_hardware
+from harness.analysis.hardware import available_hardware
 from harness.report import plots, tables
 from harness.report.document import Block, Figure, Heading, Paragraph, to_markdown
 from harness.report.groups import Group, groups_of
 from harness.report.html import to_html
 from harness.report.questions import answers
-from harness.results import DEFAULT_FALLBACK_HARDWARE, load
+from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
 REPORT_DIR = "_report"  # under results_dir: '_' so pandas.read_parquet(results_dir) skips it
 TITLE = "Decode strategies: measured against the analytic model"

@@ -5,13 +5,13 @@ such groups gets one set of plots per group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
-from harness.analytic import Roof
+from harness.analysis.analytic import Roof
 from harness.config import ModelConfig
-from harness.results import shape_of
+from harness.analysis.results import layout_of, shape_of
 
 # The linear-layer kernel is a measurement condition like the dtype: aten and oneDNN rows of the same
 # point differ by 2-7x on a CPU, so they are never drawn as one strategy's points.
@@ -34,6 +34,7 @@ class Group:
     decode_tokens: int  # decode steps per point (the most common value)
     rows: pd.DataFrame  # every row of the group, whatever its status
     ok: pd.DataFrame  # rows with status ok and a prediction
+    layouts: dict = field(default_factory=dict)  # strategy -> its CacheLayout (None: no cache), from the rows
 
     @property
     def title(self) -> str:
@@ -46,9 +47,49 @@ class Group:
         return f"{self.model}_{self.device}_{self.dtype}{matmul}"
 
     def strategies(self) -> list[str]:
-        order = ["no_cache", "contiguous", "flash"]
-        present = list(self.ok["strategy"].unique())
-        return sorted(present, key=lambda s: (order.index(s) if s in order else len(order), s))
+        """The strategies of the group's ok rows: the recompute reference first, then by name."""
+        return ordered_strategies(self.ok)
+
+    def plain_cache(self) -> str | None:
+        """The strategy the cache-against-no-cache figures use (see plain_cache_strategy)."""
+        return plain_cache_strategy(self.ok)
+
+
+# What the report needs to know of a strategy, it reads from the row's capability columns (caches_kv,
+# exact, cache_*), never from its name: a strategy added later appears in every table and plot.
+
+
+def reference_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the recompute-everything reference: strategies that keep no cache."""
+    return rows[~rows["caches_kv"].fillna(False).astype(bool)]
+
+
+def cached_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of strategies that keep a K/V cache."""
+    return rows[rows["caches_kv"].fillna(False).astype(bool)]
+
+
+def plain_cache_strategy(rows: pd.DataFrame) -> str | None:
+    """The plainest exact cache among the rows: a contiguous table in the compute dtype, read up to its
+    fill (no blocks, no max_len span, no copies, no quantization); the lexically first when several
+    qualify, any exact cache when none does."""
+    cached = cached_rows(rows)
+    if cached.empty:
+        return None
+    exact = cached[cached["exact"].fillna(False).astype(bool)] if "exact" in cached else cached
+    plain = exact
+    for column, plain_value in (("cache_block_size", 1), ("cache_reads_max_len", False),
+                                ("cache_copies_per_step", False), ("cache_value_bits", 0)):
+        if column in plain:
+            plain = plain[plain[column].fillna(plain_value) == plain_value]
+    pool = plain if not plain.empty else (exact if not exact.empty else cached)
+    return sorted(pool["strategy"].unique())[0]
+
+
+def ordered_strategies(rows: pd.DataFrame) -> list[str]:
+    """Strategy names of the rows: the references first, then the caches, each by name."""
+    references = set(reference_rows(rows)["strategy"])
+    return sorted(rows["strategy"].unique(), key=lambda s: (s not in references, s))
 
 
 def groups_of(table: pd.DataFrame) -> list[Group]:
@@ -71,6 +112,7 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
             rows=rows, ok=ok,
+            layouts={name: layout_of(mine.iloc[0]) for name, mine in rows.groupby("strategy")},
         ))
     return sorted(found, key=lambda g: -len(g.ok))
 

@@ -16,16 +16,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
-from harness import analytic  # noqa: E402
-from harness.report.groups import Group  # noqa: E402
+from harness.analysis import analytic  # noqa: E402
+from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows  # noqa: E402
 
-STRATEGY_COLOURS = {"no_cache": "#d62728", "contiguous": "#1f77b4", "flash": "#2ca02c"}
+REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
+STRATEGY_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 DPI = 110
 
 
-def _colour(strategy: str) -> str:
-    return STRATEGY_COLOURS.get(strategy, "#7f7f7f")
+def _colour(group: Group, strategy: str) -> str:
+    """One colour per strategy within a group, the same in every plot of it."""
+    if strategy in set(reference_rows(group.rows)["strategy"]):
+        return REFERENCE_COLOUR
+    cached = [s for s in ordered_strategies(group.rows) if s in set(cached_rows(group.rows)["strategy"])]
+    return STRATEGY_COLOURS[cached.index(strategy) % len(STRATEGY_COLOURS)] if strategy in cached else "#7f7f7f"
 
 
 def _save(fig, folder: Path, name: str) -> Path:
@@ -49,15 +54,9 @@ def _context_grid(ctxs) -> np.ndarray:
     return np.unique(np.geomspace(low, high, 40).astype(int))
 
 
-def _mean_step_s(group: Group, batch: int, ctx: int, cached: bool) -> float:
-    """Roofline time per decode step averaged over the group's decode steps (as the rows' prediction)."""
-    n = group.decode_tokens
-    return analytic.generate_time(group.shape, group.dtype, batch, ctx, n, group.roof, cached) / n
-
-
-def _mean_step_flops(group: Group, batch: int, ctx: int, cached: bool) -> float:
-    n = group.decode_tokens
-    return analytic.generate_flops(group.shape, batch, ctx, n, cached) / n
+def _mean_step(group: Group, batch: int, ctx: int, layout) -> analytic.MeanStep:
+    """The analytic step averaged over the group's decode steps (as the rows' prediction)."""
+    return analytic.mean_decode_step(group.shape, group.dtype, batch, ctx, group.decode_tokens, layout, group.roof)
 
 
 def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
@@ -74,15 +73,14 @@ def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
             mine = rows[rows["strategy"] == strategy].sort_values("ctx")
             if mine.empty:
                 continue
-            cached = strategy != "no_cache"
-            line = [_mean_step_s(group, int(batch), int(c), cached) for c in grid]
-            ax.plot(grid, line, "-", color=_colour(strategy), alpha=0.55, lw=1.6)
+            line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
+            ax.plot(grid, line, "-", color=_colour(group, strategy), alpha=0.55, lw=1.6)
             err = None
             if {"decode_step_p10_s", "decode_step_p90_s"} <= set(mine.columns):
                 low = (mine["decode_step_s"] - mine["decode_step_p10_s"]).clip(lower=0).fillna(0)
                 high = (mine["decode_step_p90_s"] - mine["decode_step_s"]).clip(lower=0).fillna(0)
                 err = [low.to_numpy(float), high.to_numpy(float)]
-            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(strategy),
+            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(group, strategy),
                         ms=5, capsize=2, label=strategy)
         _context_axis(ax, ok["ctx"])
         ax.set_yscale("log")
@@ -107,17 +105,18 @@ def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
 def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
     """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context."""
     ok = group.ok.dropna(subset=["decode_step_s"])
-    cached_name = next((s for s in ("contiguous", "flash") if s in set(ok["strategy"])), None)
-    if cached_name is None or "no_cache" not in set(ok["strategy"]):
+    cached_name = group.plain_cache()
+    if cached_name is None or reference_rows(ok).empty:
         return None
+    plain = group.layouts[cached_name]
     grid = _context_grid(ok["ctx"])
     fig, ax = plt.subplots(figsize=(8.5, 5.0))
-    flop_ratio = [_mean_step_flops(group, 1, int(c), False) / _mean_step_flops(group, 1, int(c), True) for c in grid]
+    flop_ratio = [_mean_step(group, 1, int(c), None).flops / _mean_step(group, 1, int(c), plain).flops for c in grid]
     ax.plot(grid, flop_ratio, "-", color="black", lw=2.2, label="FLOP ratio (analytic, any batch)")
     for i, batch in enumerate(sorted(ok["batch"].unique())):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
-        time_ratio = [_mean_step_s(group, int(batch), int(c), False) / _mean_step_s(group, int(batch), int(c), True)
-                      for c in grid]
+        time_ratio = [_mean_step(group, int(batch), int(c), None).seconds
+                      / _mean_step(group, int(batch), int(c), plain).seconds for c in grid]
         ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
         pairs = measured_ratio(ok, int(batch), cached_name)
         if pairs:
@@ -126,7 +125,8 @@ def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
     _context_axis(ax, ok["ctx"])
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens before the first decode step)")
-    ax.set_ylabel(f"no_cache ÷ {cached_name}, per decode step")
+    reference = ", ".join(sorted(reference_rows(ok)["strategy"].unique()))
+    ax.set_ylabel(f"{reference} ÷ {cached_name}, per decode step")
     ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline, dots: measured)\n{group.title}",
                  fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
@@ -136,9 +136,9 @@ def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
 
 
 def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
-    """(ctx, no_cache step time / cached step time) where both ran at this batch."""
+    """(ctx, reference step time / cached step time) where both ran at this batch."""
     rows = ok[ok["batch"] == batch]
-    slow = rows[rows["strategy"] == "no_cache"].groupby("ctx")["decode_step_s"].median()
+    slow = reference_rows(rows).groupby("ctx")["decode_step_s"].median()
     fast = rows[rows["strategy"] == cached_name].groupby("ctx")["decode_step_s"].median()
     both = slow.index.intersection(fast.index)
     return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
@@ -149,7 +149,7 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
     per_token = analytic.kv_bytes_per_token(group.shape, group.dtype)
     weights = analytic.weight_bytes(group.shape, group.dtype)
     crossover = analytic.tokens_to_match_weights(group.shape, group.dtype)
-    cached = group.ok[(group.ok["strategy"] != "no_cache")].dropna(subset=["kv_cache_bytes"])
+    cached = cached_rows(group.ok).dropna(subset=["kv_cache_bytes"])
     tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
     high = max([crossover * 4, *(tokens * 2)])
     grid = np.geomspace(1, high, 100)
@@ -163,7 +163,7 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
     for strategy in sorted(cached["strategy"].unique()):
         mine = cached[cached["strategy"] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
-                color=_colour(strategy), ms=6, label=f"{strategy}: allocated, measured")
+                color=_colour(group, strategy), ms=6, label=f"{strategy}: allocated, measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("batch × tokens held (ctx + decode_tokens per sequence)")
@@ -177,7 +177,7 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
 
 def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
     """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
-    ok = group.ok[group.ok["strategy"] != "no_cache"]
+    ok = cached_rows(group.ok)
     ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
     grid = _context_grid(ctxs)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13.0, 4.6))

@@ -1,5 +1,7 @@
-"""The section answering GUIDE section 1's questions: analytic figures for Llama 3 70B on an H100, and
-the measured figures of the rows at hand beside them.
+"""The section answering the questions a KV cache raises (why K/V and not Q, bytes per token, growth
+with length, FLOPs against time, prefill against decode, when the cache outweighs the weights, equal
+batch x tokens): analytic figures for Llama 3 70B on an H100, and the measured figures of the rows at
+hand beside them.
 
 Each answer is a function returning blocks; each states the analytic number first, then what the
 rows show, and says plainly when the rows at hand cannot show it.
@@ -13,21 +15,22 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness import analytic
-from harness.analytic import Roof
+from harness.analysis import analytic
+from harness.analysis.analytic import Roof
+from harness.config.paths import config_dir
 from harness.config import ModelConfig, model_config_from
-from harness.hardware import load_hardware
+from harness.analysis.hardware import load_hardware
 from harness.report import format as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
-from harness.report.groups import Group
+from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows
 from harness.report.plots import measured_ratio
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+MODEL_DIR = config_dir() / "model"
 
 
 @dataclass
 class Reference:
-    """The analytic reference workload of GUIDE section 1."""
+    """The analytic reference workload: Llama 3 70B in bf16 on an H100's datasheet roof."""
 
     shape: ModelConfig  # Llama 3 70B
     dtype: str  # bfloat16
@@ -59,23 +62,27 @@ def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
         "attention means no later token changes that state, so they are the same at every later step and "
         "can be kept. A query is used only by the step that creates it: the next step needs the next "
         "token's query, which did not exist before. If caching were inexact, the cached strategies would "
-        "generate different tokens from `no_cache`, which recomputes everything from the token ids.")]
+        "generate different tokens from the reference (`no_cache`), which recomputes everything from the token ids.")]
     ok = table[(table["status"] == "ok")] if "status" in table else table
-    if "tokens_digest" not in ok or ok.empty or "no_cache" not in set(ok["strategy"]):
-        return out + [Paragraph("**Measured:** no `no_cache` rows with token digests here, so nothing to compare.")]
-    keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens"]
-    reference_rows = ok[ok["strategy"] == "no_cache"][keys + ["tokens_digest"]].drop_duplicates(keys)
+    references = reference_rows(ok) if "caches_kv" in ok else ok.iloc[0:0]
+    if "tokens_digest" not in ok or references.empty:
+        return out + [Paragraph("**Measured:** no rows of the recompute reference with token digests here, so "
+                                "nothing to compare.")]
+    keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens", "prefill"]
+    reference = references[keys + ["tokens_digest"]].drop_duplicates(keys)
     lines = []
-    for strategy in sorted(set(ok["strategy"]) - {"no_cache"}):
-        mine = ok[ok["strategy"] == strategy][keys + ["tokens_digest"]].drop_duplicates(keys)
-        both = mine.merge(reference_rows, on=keys, suffixes=("", "_no_cache"))
+    for strategy in ordered_strategies(cached_rows(ok)):
+        mine = ok[ok["strategy"] == strategy]
+        exact = bool(mine["exact"].fillna(False).astype(bool).all())
+        both = mine[keys + ["tokens_digest"]].drop_duplicates(keys).merge(reference, on=keys, suffixes=("", "_ref"))
         if both.empty:
             continue
-        same = int((both["tokens_digest"] == both["tokens_digest_no_cache"]).sum())
-        lines.append(f"`{strategy}`: {same} of {len(both)} points generated exactly the tokens `no_cache` did"
-                     + ("" if same == len(both) else " (**some differ: see the rows table**)"))
+        same = int((both["tokens_digest"] == both["tokens_digest_ref"]).sum())
+        verdict = ("" if same == len(both) else " (**some differ: see the rows table**)") if exact else \
+            " (an approximate cache: its accuracy columns say how far it moved)"
+        lines.append(f"`{strategy}`: {same} of {len(both)} points generated exactly the reference's tokens{verdict}")
     return out + [Paragraph("**Measured:** greedy tokens compared by digest, point by point:"),
-                  Bullets(lines or ["no point ran both `no_cache` and a cached strategy"])]
+                  Bullets(lines or ["no point ran both the reference and a cached strategy"])]
 
 
 def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
@@ -97,8 +104,8 @@ def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
     out.append(Table(header, body, [False, False, True, True, True]))
     measured = []
     for g in groups:
-        cached = g.ok[(g.ok["strategy"] != "no_cache")].dropna(subset=["kv_cache_bytes"])
-        cached = cached[cached["kv_cache_bytes"] > 0]
+        cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
+        cached = cached[(cached["kv_cache_bytes"] > 0) & (cached["strategy"] == g.plain_cache())]
         if cached.empty:
             continue
         per_token = cached["kv_cache_bytes"] / (cached["batch"] * (cached["ctx"] + cached["decode_tokens"]))
@@ -123,10 +130,10 @@ def growth(ref: Reference, groups: list[Group]) -> list[Block]:
     body = []
     for ctx in (512, 2048, 8192, 32768):
         cached = analytic.decode_step_flops(s, 1, ctx)
-        full = analytic.decode_step_flops(s, 1, ctx, cached=False)
+        full = analytic.decode_step_flops(s, 1, ctx, layout=None)
         body.append([f"{ctx:,}", fmt.flops(cached), fmt.flops(full), fmt.ratio(full / cached),
                      fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps)),
-                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps, cached=False))])
+                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps, layout=None))])
     out += [Paragraph(f"{_ref_line(ref)}, batch 1:"), Table(header, body, [True] * len(header))]
     measured = []
     for g in groups:
@@ -149,9 +156,9 @@ def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
     s, r, p = ref.shape, ref.roof, ref.ctx
     cached_b = analytic.decode_step_bytes(s, ref.dtype, 1, p)["total"]
     cached_f = analytic.decode_step_flops(s, 1, p)
-    full_f = analytic.decode_step_flops(s, 1, p, cached=False)
+    full_f = analytic.decode_step_flops(s, 1, p, layout=None)
     t_cached = analytic.decode_step_time(s, ref.dtype, 1, p, r)
-    t_full = analytic.decode_step_time(s, ref.dtype, 1, p, r, cached=False)
+    t_full = analytic.decode_step_time(s, ref.dtype, 1, p, r, layout=None)
     out = [Heading("Why the wall-clock speedup is far below the FLOP saving", 3), Paragraph(
         f"{_ref_line(ref)}, batch 1, context {p:,}: the cache cuts a step's FLOPs by "
         f"**{full_f / cached_f:,.0f}x** ({fmt.flops(full_f)} → {fmt.flops(cached_f)}), but the cached step "
@@ -164,22 +171,24 @@ def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
     header = ["model", "batch", "ctx", "FLOP ratio", "roofline time ratio", "measured time ratio"]
     body, flop_ratios, measured_ratios = [], [], []
     for g in groups:
-        cached_name = next((x for x in ("contiguous", "flash") if x in set(g.ok["strategy"])), None)
+        cached_name = g.plain_cache()
         if cached_name is None:
             continue
+        plain = g.layouts[cached_name]
         n = g.decode_tokens
         for batch in sorted(g.ok["batch"].unique()):
             for ctx, measured in measured_ratio(g.ok, int(batch), cached_name):
-                flop_ratio = analytic.generate_flops(g.shape, 1, ctx, n, False) / analytic.generate_flops(g.shape, 1, ctx, n)
-                time_ratio = (analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, False)
-                              / analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof))
+                flop_ratio = (analytic.generate_flops(g.shape, 1, ctx, n, None)
+                              / analytic.generate_flops(g.shape, 1, ctx, n, plain))
+                time_ratio = (analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, None)
+                              / analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, plain))
                 body.append([f"{g.model} {g.dtype} ({cached_name})", fmt.count(batch), fmt.count(ctx),
                              fmt.ratio(flop_ratio), fmt.ratio(time_ratio), fmt.ratio(measured)])
                 flop_ratios.append(flop_ratio)
                 measured_ratios.append(measured)
-    out.append(Paragraph("**Measured**, no_cache ÷ cached, per decode step (see also the plot above):"))
+    out.append(Paragraph("**Measured**, the recompute reference ÷ the plain cache, per decode step (see also the plot above):"))
     if not body:
-        return out + [Paragraph("No point ran both `no_cache` and a cached strategy.")]
+        return out + [Paragraph("No point ran both the recompute reference and a cached strategy.")]
     return out + [Table(header, body, [False] + [True] * 5), Paragraph(
         f"On the rows at hand the cache saves up to **{max(flop_ratios):,.0f}x** the FLOPs but at most "
         f"**{max(measured_ratios):,.3g}x** the time (median over points: {np.median(flop_ratios):,.0f}x "
@@ -199,7 +208,7 @@ def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
         f"{fmt.seconds(analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof))}.")]
     measured, time_ratios = [], []
     for g in groups:
-        rows = g.ok[(g.ok["strategy"] != "no_cache")].dropna(subset=["prefill_s", "decode_step_s"])
+        rows = cached_rows(g.ok).dropna(subset=["prefill_s", "decode_step_s"])
         for _, r in rows.sort_values(["batch", "ctx"]).iterrows():
             pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
             dec_t = r["decode_step_s"] / r["batch"]
@@ -228,7 +237,7 @@ def weights_crossover(ref: Reference, groups: list[Group]) -> list[Block]:
     measured = []
     for g in groups:
         crossover = analytic.tokens_to_match_weights(g.shape, g.dtype)
-        cached = g.ok[g.ok["strategy"] != "no_cache"].dropna(subset=["kv_cache_bytes"])
+        cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
         largest = cached.loc[cached["kv_cache_bytes"].idxmax()] if not cached.empty else None
         text = f"{g.title}: analytic crossover at {crossover:,.0f} tokens"
         if largest is not None:
@@ -267,7 +276,7 @@ def equal_batch_tokens(ref: Reference, groups: list[Group], sets_by_group: dict)
 def answers(table: pd.DataFrame, groups: list[Group], sets_by_group: dict) -> list[Block]:
     ref = reference()
     return [
-        Heading("Answers to the questions of GUIDE section 1"),
+        Heading("What a KV cache buys and costs: the questions, answered"),
         Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref.batch}, a {ref.ctx:,}-token prompt "
                   f"and {ref.steps} decode steps unless stated; measured figures come from the rows above."),
         *cacheable(ref, table), *bytes_per_token(ref, groups), *growth(ref, groups),

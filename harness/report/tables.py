@@ -7,6 +7,7 @@ import pandas as pd
 
 from harness.report import format as fmt
 from harness.report.document import Table
+from harness.report.groups import cached_rows, plain_cache_strategy
 
 ROW_ORDER = ["model", "device", "dtype", "strategy", "batch", "ctx"]
 
@@ -36,12 +37,12 @@ def rows_table(table: pd.DataFrame) -> Table:
             fmt.ratio(_get(row, "ratio_decode_step_s")),
             fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "analytic_prefill_s")),
             fmt.ratio(_get(row, "ratio_prefill_s")),
-            bytes_cell, fmt.nbytes(_get(row, "analytic_bytes_per_step")),
+            bytes_cell, fmt.nbytes(_get(row, "bytes_per_step_model")),
             fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
-            fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "analytic_kv_cache_bytes")),
+            fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "kv_cache_bytes_model")),
             fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
             fmt.number(_get(row, "tokens_per_s")),
-            str(_get(row, "analytic_bound") or "–"),
+            str(_get(row, "roof_bound") or "–"),
         ])
     return Table(header, body, right)
 
@@ -76,9 +77,10 @@ def skipped_files_table(skipped: list[tuple[str, str]]) -> Table:
 
 def equal_product_sets(ok: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
     """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes), largest
-    product first. Prefers `contiguous`, the plainest cache, when several strategies qualify."""
-    cached = ok[ok["strategy"] != "no_cache"].dropna(subset=["decode_step_s"])
-    for strategy in ["contiguous", *sorted(set(cached["strategy"]) - {"contiguous"})]:
+    product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
+    cached = cached_rows(ok).dropna(subset=["decode_step_s"])
+    plain = plain_cache_strategy(cached)
+    for strategy in [plain, *sorted(set(cached["strategy"]) - {plain})] if plain else []:
         rows = cached[cached["strategy"] == strategy].copy()
         rows["product"] = rows["batch"] * rows["ctx"]
         sets = [(int(p), g.sort_values("batch", ascending=False))
@@ -94,7 +96,7 @@ def equal_product_table(sets: list[tuple[int, pd.DataFrame]]) -> Table:
     body = []
     for product, rows in sets:
         for _, r in rows.iterrows():
-            at_ctx = r["analytic_kv_cache_bytes"] // (r["ctx"] + r["decode_tokens"]) * r["ctx"]  # exact integers
+            at_ctx = r["kv_cache_bytes_model"] // (r["ctx"] + r["decode_tokens"]) * r["ctx"]  # exact integers
             body.append([f"{product:,}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                          f"{fmt.count(at_ctx)} B", fmt.nbytes(r["kv_cache_bytes"]),
                          fmt.nbytes(_get(r, "peak_memory_bytes")), fmt.seconds(r["decode_step_s"]),

@@ -1,4 +1,4 @@
-"""The benchmark suite's points, models and timing helper (`pytest -m benchmark`; see harness.bench_gate).
+"""The benchmark suite's points, models and timing helper (`pytest -m benchmark`; see harness.bench.gate).
 
 Two small points, each a decode step a 2-core CPU times in milliseconds:
 - light: a weight-dominated step (batch 1, 128 cached tokens: the cache is <1% of the bytes);
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import ModelConfig
-from harness.cpu_linear import resolve_matmul
+from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
-from strategies import STRATEGIES
+from strategies.contiguous import ContiguousStrategy
 
-DTYPE = torch.float32  # the honest CPU default (GUIDE §3: bf16 GEMV is slow on these CPUs)
+DTYPE = torch.float32  # the honest CPU default (bf16 GEMV is slow on CPUs without AVX-512 bf16)
 SEED = 0
 
 # Weights ~82 MB (decode reads ~65 MB); GQA group of 4 as in Llama 3.
@@ -40,14 +40,12 @@ class BenchPoint:
     shape: ModelConfig
     batch: int
     ctx: int  # cached tokens before the timed step
-    prefill: str  # compute: run the prompt; random: fill the cache with random K/V (caching strategies)
-    strategies: tuple[str, ...]  # strategies timed at this point (those unavailable on the CPU are skipped)
+    prefill: str  # compute: run the prompt; random: fill the cache with random K/V (caching strategies only)
 
 
 POINTS = {
-    "light": BenchPoint("light", LIGHT_MODEL, batch=1, ctx=128, prefill="compute",
-                        strategies=("no_cache", "contiguous", "flash")),
-    "heavy": BenchPoint("heavy", HEAVY_MODEL, batch=16, ctx=2048, prefill="random", strategies=("contiguous", "flash")),
+    "light": BenchPoint("light", LIGHT_MODEL, batch=1, ctx=128, prefill="compute"),
+    "heavy": BenchPoint("heavy", HEAVY_MODEL, batch=16, ctx=2048, prefill="random"),
 }
 PREFILL = (LIGHT_MODEL, 1, 256)  # shape, batch, prompt tokens of the prefill benchmark
 
@@ -120,7 +118,7 @@ class ComputeControl:
 
 
 # FLOPs per byte above which a benchmark is interleaved with the compute control: the ridge of the
-# CPUs here (GUIDE §3: ~0.23 TFLOP/s over ~19.6 GB/s, ~12). The suite's benchmarks sit far from it on
+# CPUs here (~0.23 TFLOP/s over ~19.6 GB/s: ~12). The suite's benchmarks sit far from it on
 # either side (cached steps ~0.5-1.5, no_cache and prefill ~50-100), so the choice never flips.
 CONTROL_RIDGE = 12.0
 
@@ -212,4 +210,4 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["harness_matmul"] = MATMUL
     # contiguous's attention kernel here: the C kernel where it builds, SDPA otherwise (1.3x apart at the
     # heavy point), so a baseline of one is no yardstick for the other.
-    machine_info["harness_attention"] = STRATEGIES["contiguous"]().kernel(torch.device("cpu"), DTYPE, HEAVY_MODEL)
+    machine_info["harness_attention"] = ContiguousStrategy().kernel(torch.device("cpu"), DTYPE, HEAVY_MODEL)

@@ -1,16 +1,18 @@
-"""Benchmarks gated by harness.bench_gate: the two control kernels first, then decode steps and a prefill.
+"""Benchmarks gated by harness.bench.gate: the two control kernels first, then decode steps and a prefill.
 
-Every benchmark records in extra_info what the gate needs (role, bytes and FLOPs from harness.analytic)
+Every benchmark records in extra_info what the gate needs (role, bytes and FLOPs from harness.analysis.analytic)
 and its analytic prediction: the roofline time at the roofs the control kernels measured in this run.
-Run: `python -m pytest -m benchmark --benchmark-json=run.json && python -m harness.bench_gate run.json`.
+Run: `python -m pytest -m benchmark --benchmark-json=run.json && python -m harness.bench run.json`.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness import analytic
-from strategies import STRATEGIES, StrategyUnavailable
+from harness.analysis import analytic
+from harness.run.catalog import strategy_catalog
+from strategies import StrategyUnavailable
+from strategies.contiguous import ContiguousStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, PREFILL, SEED, control_for, run_timed
 
 pytestmark = pytest.mark.benchmark
@@ -45,13 +47,17 @@ def test_roof_matmul(benchmark, roof, controls):
     roof["flops"] = control.flops / benchmark.stats.stats.median
 
 
-CASES = [(point, strategy) for point in POINTS.values() for strategy in point.strategies]
+# Every strategy of the `strategy` config group (shipped, or on $HARNESS_SEARCHPATH) at its default
+# options; a point filled with random K/V takes only the strategies that keep a cache.
+CATALOG = strategy_catalog()
+CASES = [(point, name) for point in POINTS.values() for name, cls in CATALOG.items()
+         if cls.caches_kv or point.prefill == "compute"]
 
 
 @pytest.mark.parametrize("point,strategy", CASES, ids=[f"{p.name}-{s}" for p, s in CASES])
 def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
     """The first decode step after `point.ctx` cached tokens, re-run every round (rewound in setup)."""
-    chosen = STRATEGIES[strategy]()
+    chosen = CATALOG[strategy]()
     try:
         chosen.kernel(torch.device("cpu"), DTYPE)
     except StrategyUnavailable as unavailable:
@@ -65,15 +71,16 @@ def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
     else:
         session.prefill(prompt)
     token = prompt[:, -1]  # [B]
-    step_bytes = analytic.decode_step_bytes(point.shape, DTYPE_NAME, point.batch, point.ctx, cached=chosen.caches_kv)
+    layout = chosen.cache_layout()
+    step_bytes = analytic.decode_step_bytes(point.shape, DTYPE_NAME, point.batch, point.ctx, layout, point.ctx + 1)
     benchmark.extra_info.update(
-        role="decode", point=point.name, strategy=strategy, model=point.shape.name, batch=point.batch, ctx=point.ctx,
+        role="decode", point=point.name, strategy=strategy, caches_kv=chosen.caches_kv, model=point.shape.name, batch=point.batch, ctx=point.ctx,
         prefill=point.prefill, dtype=DTYPE_NAME, matmul=MATMUL, weight_bytes=analytic.weight_bytes(point.shape, DTYPE_NAME),
         cache_read_bytes=step_bytes["cache_read"],
     )
-    flops = analytic.decode_step_flops(point.shape, point.batch, point.ctx, cached=chosen.caches_kv)
+    flops = analytic.decode_step_flops(point.shape, point.batch, point.ctx, layout, point.ctx + 1)
     record_prediction(benchmark, roof, flops, step_bytes["total"])
-    budget = 2.0 if strategy == "no_cache" else 1.5
+    budget = 1.5 if chosen.caches_kv else 2.0  # a recompute step is slower: more time for its rounds
     with torch.inference_mode():
         run_timed(benchmark, lambda: session.step(token), setup=lambda: session.rewind(point.ctx),
                   control=control_for(controls, flops, step_bytes["total"]), budget_s=budget)
@@ -83,7 +90,7 @@ def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
 def test_prefill(benchmark, model_for, roof, controls):
     """One forward pass over a 256-token prompt through the contiguous cache (compute bound)."""
     shape, batch, prompt_len = PREFILL
-    session = STRATEGIES["contiguous"]().new_session(model_for(shape, batch), batch, prompt_len)
+    session = ContiguousStrategy().new_session(model_for(shape, batch), batch, prompt_len)
     prompt = torch.randint(shape.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(SEED))
     benchmark.extra_info.update(role="prefill", strategy="contiguous", model=shape.name, batch=batch, ctx=prompt_len,
                                 dtype=DTYPE_NAME, matmul=MATMUL)

@@ -1,0 +1,14 @@
+"""Stage 1 of the pipeline: what a point is. Typed schemas, value checks, the resolved point.
+
+Pure: imports neither torch nor Hydra at import time, so the analytic model and the report use these
+dataclasses on machines without torch.
+"""
+from harness.config.layout import CONTIGUOUS, CacheLayout
+from harness.config.point import Point, StrategyChoice, point_from_identity
+from harness.config.schema import ModelConfig, RunConfig, TimingConfig, model_config_from, register_schemas
+from harness.config.validate import ConfigError
+
+__all__ = [
+    "CONTIGUOUS", "CacheLayout", "ConfigError", "ModelConfig", "Point", "RunConfig", "StrategyChoice",
+    "TimingConfig", "model_config_from", "point_from_identity", "register_schemas",
+]

@@ -1,0 +1,81 @@
+"""A point: one fully resolved measurement (no `auto` left), and the key that identifies it.
+
+harness.run.resolve turns a composed config into a Point once; everything downstream (the point's
+process, the row, the file name, ncu's re-run) works from the Point alone. The key hashes everything
+that changes what is measured (shape, strategy and its options, sizes, device, dtype, seed, modes,
+timing method, thread count) and nothing that does not (where results go, whether to overwrite), so a
+re-run of a sweep recognises the points it already has.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Optional
+
+from harness.config.layout import CacheLayout
+from harness.config.schema import ModelConfig, TimingConfig
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The strategy of a point as resolved: its class, its options, and what the class declares."""
+
+    ROW_PREFIX: ClassVar[str] = ""  # columns strategy (its name), strategy_class, backend, caches_kv, exact, ...
+
+    name: str  # the class's name attribute (strategies.base.Strategy.name): the row's `strategy`
+    strategy_class: str  # import path of the class, e.g. strategies.contiguous.ContiguousStrategy
+    backend: str  # the kernel family that runs (auto resolved on this machine)
+    caches_kv: bool  # the class stores K/V between steps
+    exact: bool  # the class is proven to generate the no-cache reference's tokens
+    strategy_options: dict = field(default_factory=dict)  # the class's other options as configured (block_size, ...)
+    layout: Optional[CacheLayout] = None  # how it stores K/V (None: it stores none)
+
+    def instantiate(self):
+        """The strategy object (imports strategies/ only when called)."""
+        from hydra.utils import get_class
+
+        return get_class(self.strategy_class)(backend=self.backend, **self.strategy_options)
+
+
+@dataclass(frozen=True)
+class Point:
+    model: ModelConfig  # decoder shape
+    strategy: StrategyChoice  # what stores and reads the cache
+    timing: TimingConfig  # timing method
+    batch: int  # sequences decoded together
+    ctx: int  # prompt tokens per sequence
+    decode_tokens: int  # timed decode steps
+    device: str  # cpu | cuda (resolved from auto)
+    dtype: str  # float32 | bfloat16 | float16 (resolved from auto)
+    seed: int  # seeds weights and prompt
+    prefill: str  # compute | random
+    traffic: str  # model | ncu (resolved from auto)
+    matmul: str  # aten | onednn (resolved from auto): the linear layers' kernel
+    threads: int  # torch intra-op threads the point runs with
+
+    @property
+    def max_len(self) -> int:
+        """Tokens per sequence at the end of the point: what a preallocated cache holds."""
+        return self.ctx + self.decode_tokens
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that defines the measurement, as plain JSON-able values."""
+        return asdict(self)
+
+    @property
+    def key(self) -> str:
+        canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def label(self) -> str:
+        return f"{self.strategy.name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}"
+
+
+def point_from_identity(identity: dict) -> Point:
+    """Inverse of Point.identity(): the nested dataclasses come back from their dicts."""
+    strategy = dict(identity["strategy"])
+    layout = strategy.get("layout")
+    strategy["layout"] = CacheLayout(**layout) if layout is not None else None
+    return Point(**{**identity, "model": ModelConfig(**identity["model"]), "strategy": StrategyChoice(**strategy),
+                    "timing": TimingConfig(**identity["timing"])})

@@ -1,0 +1,93 @@
+"""Typed configuration: the schemas Hydra validates every composed config against.
+
+Each dataclass is registered in Hydra's ConfigStore (`register_schemas`), and `conf/config.yaml` lists
+the run schema first in its defaults, so a wrong type or an unknown key fails while composing, before
+anything runs. The defaults of every run key live here and nowhere else (`python -m harness.run --cfg
+job` prints them); the YAML files under conf/ hold the presets (model shapes, strategies, sweeps).
+Checks a type cannot express (positive sizes, divisibility, known names) are in harness.config.validate.
+
+The strategy node is untyped here on purpose: each strategy class declares its own options
+(strategies.base.Strategy) and checks them itself, so a strategy added under strategies/ (or under a
+folder on Hydra's search path) brings its options without an edit to this file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-3-style decoder. Weights are random (seeded); only the shape matters."""
+
+    ROW_PREFIX: ClassVar[str] = ""  # rows name these columns as they are: d_model, n_layers, ...
+
+    name: str  # preset name (conf/model/<name>.yaml), recorded in every row as `model`
+    vocab_size: int  # rows of the embedding and columns of the untied output head
+    d_model: int  # residual stream width
+    n_layers: int  # decoder blocks
+    n_heads: int  # query heads per layer
+    n_kv_heads: int  # key/value heads per layer; n_heads / n_kv_heads queries share one KV head (GQA)
+    ffn_dim: int  # hidden width of the SwiGLU MLP
+    head_dim: Optional[int] = None  # per-head width; None means d_model // n_heads
+    rope_theta: float = 500000.0  # RoPE base frequency (Llama 3)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that read the same KV head."""
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass
+class TimingConfig:
+    """How decode steps are timed (docs/method.md, 'Timing')."""
+
+    ROW_PREFIX: ClassVar[str] = "timing_"  # columns timing_warmup_min, timing_cuda_graphs, ...
+
+    warmup_min: int = 2  # warm-up steps always run before timing
+    warmup_max: int = 20  # warm-up stops here even if step times have not settled
+    settle_tolerance: float = 0.05  # warm-up ends when two consecutive steps differ by less than this fraction
+    cuda_graphs: bool = False  # CUDA only: capture each decode step at its position, time its replay
+    cold_cache: bool = False  # evict the last-level cache (CPU) or L2 (GPU) before each timed step
+
+
+@dataclass
+class RunConfig:
+    """One measured point, or with Hydra's multirun, one point of a sweep."""
+
+    model: ModelConfig  # decoder shape: a preset of conf/model/ (default chosen in conf/config.yaml)
+    strategy: Any = field(default_factory=dict)  # decode strategy: `_target_` and the class's options (conf/strategy/)
+    timing: TimingConfig = field(default_factory=TimingConfig)  # timing method
+    batch: int = 1  # sequences decoded together
+    ctx: int = 128  # prompt tokens per sequence (the context before the first decode step)
+    decode_tokens: int = 16  # greedy decode steps, each timed on its own
+    device: str = "auto"  # auto|cpu|cuda; auto is cuda when available
+    dtype: str = "auto"  # auto|float32|bfloat16|float16; auto is bfloat16 on CUDA, float32 on CPU
+    seed: int = 0  # seeds weights and prompt tokens
+    prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
+    matmul: str = "auto"  # auto|aten|onednn: CPU linear kernel; auto is oneDNN-packed where supported
+    traffic: str = "auto"  # auto|model|ncu: where bytes_per_step_measured comes from
+    calibrate: bool = False  # re-measure the device's roofs even if a calibration record exists
+    results_dir: str = "results"  # Parquet rows, Hydra logs (_hydra/), the calibration (_calibration/); relative to the working directory
+    overwrite: bool = False  # re-run points that already have a row for the same resolved config
+    isolate: bool = True  # run each point in its own process, so its memory peak is its own
+
+
+def register_schemas() -> None:
+    """Register the schemas with Hydra's ConfigStore (imported lazily: Hydra is only needed to run)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    store.store(group="model", name="model_schema", node=ModelConfig)
+
+
+def model_config_from(mapping: Any) -> ModelConfig:
+    """A ModelConfig from a dict or DictConfig (ignores keys that are not fields)."""
+    known = [f.name for f in fields(ModelConfig) if f.name in mapping]
+    return ModelConfig(**{name: mapping[name] for name in known})

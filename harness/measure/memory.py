@@ -1,0 +1,110 @@
+"""Memory of one point: its own peak, what it will need, and what the device has free.
+
+CPU: torch keeps no allocator statistics, and ru_maxrss is a lifetime peak that cannot be reset. The
+runner therefore runs each point in a fresh process (harness.run.isolation) and, inside it, resets the
+kernel's resident-set high-water mark (VmHWM, via /proc/self/clear_refs) once the runtime is loaded,
+so the recorded peak is what the point itself added on top of Python and torch.
+CUDA: the caching allocator's peaks, reset per point.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from harness.analysis import analytic
+
+GIB = 2**30
+_STATUS_FIELD = re.compile(r"^(Vm\w+):\s+(\d+) kB$", re.MULTILINE)
+
+
+def _proc_status() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {name: int(kb) * 1024 for name, kb in _STATUS_FIELD.findall(f.read())}
+
+
+@dataclass
+class PeakTracker:
+    """Peak memory of the work done between `start()` and `read()` on one device."""
+
+    device: torch.device
+    baseline_bytes: int = 0  # CPU: resident set before the point allocated anything
+
+    def start(self) -> None:
+        """Take the baseline (nothing of the point allocated yet) and reset the peak."""
+        if self.device.type == "cpu":
+            self.baseline_bytes = _proc_status()["VmRSS"]
+        self.reset_peak()
+
+    def reset_peak(self) -> None:
+        """Forget the peak so far, keep the baseline. Called again once the model is built, so that
+        one-time set-up transients (the oneDNN repack holds two copies of one weight) stay out of the
+        point's peak; the built weights stay resident and so stay in it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+        except OSError:
+            pass  # the process is fresh anyway; the peak then includes the runtime's own start-up
+
+    def read(self) -> dict[str, int | None]:
+        """peak_memory_bytes: bytes the point held at its peak (CPU: resident set above the baseline;
+        CUDA: allocated tensors). peak_memory_reserved_bytes: CUDA allocator's reserve, None on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return {
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device),
+                "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                "process_baseline_bytes": None,
+            }
+        return {
+            "peak_memory_bytes": _proc_status()["VmHWM"] - self.baseline_bytes,
+            "peak_memory_reserved_bytes": None,
+            "process_baseline_bytes": self.baseline_bytes,
+        }
+
+
+def available_bytes(device: str) -> int:
+    """Memory a new point can still take: MemAvailable on a CPU, free device memory on CUDA."""
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def required_bytes(point) -> int:
+    """A conservative estimate of a point's peak: weights, cache, and the largest transient tensors.
+
+    The largest forward pass runs T tokens per sequence: the whole sequence without a cache, the
+    prompt for a computed prefill, one token with prefill=random. It holds one layer's activations for
+    B*T tokens (residual, q/k/v, the MLP branches) and, for T > 1, the causal mask of the grouped
+    attention (G*T x T booleans). Attention scores are not materialised: SDPA's CPU and CUDA kernels
+    work block by block. Logits are fp32, batch x vocab. A cache that grows by concatenation holds two
+    copies of itself while it grows.
+    """
+    shape, layout, batch = point.model, point.strategy.layout, point.batch
+    elem = analytic.dtype_bytes(point.dtype)
+    tokens = point.max_len if layout is None else (point.ctx if point.prefill == "compute" else 1)
+    hd = shape.resolved_head_dim
+    activations = batch * tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
+    mask = (shape.n_heads // shape.n_kv_heads) * tokens * tokens if tokens > 1 else 0
+    cache = analytic.kv_cache_bytes(shape, point.dtype, batch, point.max_len, layout)
+    copies = 2 if layout is not None and layout.copies_per_step else 1
+    logits = batch * shape.vocab_size * 4
+    return int(analytic.weight_bytes(shape, point.dtype) + copies * cache + activations + mask + logits)
+
+
+def shortfall(point) -> str | None:
+    """Why the point cannot fit in its device's free memory, or None when it can. The one memory
+    check of a point: the plan calls it for CPU points before anything runs, the point's own process
+    for CUDA points (free GPU memory is known only there)."""
+    need, have = required_bytes(point), available_bytes(point.device)
+    if need <= have:
+        return None
+    return f"does not fit in memory: needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB available"

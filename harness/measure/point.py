@@ -1,0 +1,117 @@
+"""Measure one point: prefill, warm-up, then `decode_tokens` greedy steps, each timed on its own.
+
+Runs inside the point's own process (harness.run.isolation). Returns the measured half of a row as a plain
+dict; `harness.run.row` adds the configuration, the analytic model and the run metadata.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from harness.config import Point
+from harness.measure.device import device_name
+from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
+from harness.measure.memory import PeakTracker, shortfall
+from harness.measure.timing import StepStats, StepTimer, warm_up
+from harness.model import build_model
+from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
+from strategies.base import StrategyUnavailable
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    """Short hash of generated token ids [B, n]: equal digests mean identical greedy outputs."""
+    return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def not_run(status: str, reason: str, **extra) -> dict:
+    return {"status": status, "reason": reason, **extra}
+
+
+def start_decode(point: Point, session, generator: torch.Generator, timer: StepTimer | None = None):
+    """Bring a fresh session to the first decode position: run the prompt (timed when a timer is
+    given) or, with prefill=random, fill the cache with random K/V. Returns (first token [B],
+    prefill seconds or None). The random draws come in one fixed order, so every caller that seeds
+    the same generator gets the same prompt, cache and tokens."""
+    vocab = point.model.vocab_size
+    if point.prefill == "random":
+        session.fill_random(point.ctx, generator)
+        return torch.randint(vocab, (point.batch,), generator=generator, device=generator.device), None
+    prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
+    if timer is None:
+        return session.prefill(prompt).argmax(-1), None
+    logits, seconds = timer.time(lambda: session.prefill(prompt))
+    return logits.argmax(-1), seconds
+
+
+def measure_point(point: Point) -> dict:
+    device, dtype = torch.device(point.device), getattr(torch, point.dtype)
+    torch.set_num_threads(point.threads)
+    strategy = point.strategy.instantiate()
+    common = {"device_name": device_name(device)}
+    try:
+        kernel = strategy.kernel(device, dtype, point.model)
+    except StrategyUnavailable as unavailable:
+        return not_run("skipped", str(unavailable), **common)
+    if point.device == "cuda":  # free GPU memory is known only here; CPU points were checked by the plan
+        reason = shortfall(point)
+        if reason is not None:
+            return not_run("skipped", reason, **common)
+
+    peak = PeakTracker(device)
+    peak.start()
+    model = build_model(point.model, device, dtype, point.seed, point.matmul, batch_hint=point.batch)
+    peak.reset_peak()
+    session = strategy.new_session(model, point.batch, point.max_len)
+    timer = StepTimer(device, cold_cache=point.timing.cold_cache)
+    generator = torch.Generator(device=device).manual_seed(point.seed)
+
+    first_token, prefill_s = start_decode(point, session, generator, timer)
+
+    def first_step_again() -> float:
+        _, seconds = timer.time(lambda: session.step(first_token))
+        session.rewind(point.ctx)  # warm-up never advances the sequence: outputs stay comparable
+        return seconds
+
+    t = point.timing
+    if t.cuda_graphs:
+        graphed = GraphedSteps(session, first_token, point.decode_tokens)  # captures every step up front
+        warmup_steps = EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min,
+                                                    t.warmup_max, t.settle_tolerance)
+
+        def timed_step(token):  # the step at the next position, replayed from its graph
+            return graphed.replay_next(token, timer.time)
+    else:
+        warmup_steps = warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
+
+        def timed_step(token):
+            return timer.time(lambda: session.step(token).argmax(-1))
+
+    generated, step_seconds = [first_token], []
+    for _ in range(point.decode_tokens):
+        token, seconds = timed_step(generated[-1])
+        generated.append(token)
+        step_seconds.append(seconds)
+    tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
+
+    stats = StepStats.of(step_seconds)
+    return {
+        "status": "ok",
+        "reason": "",
+        "kernel": kernel,
+        "matmul_kernel": MATMUL_KERNELS[point.matmul],
+        **common,
+        "threads": torch.get_num_threads(),
+        "prefill_s": prefill_s,
+        "decode_step_s": stats.p50,
+        "decode_step_p10_s": stats.p10,
+        "decode_step_p90_s": stats.p90,
+        "decode_steps_timed": stats.count,
+        "warmup_steps": warmup_steps,
+        "timing_method": timer.method + (", CUDA graph replay" if t.cuda_graphs else ""),
+        "tokens_per_s": point.batch / stats.p50,
+        "kv_cache_bytes": session.kv_cache_bytes,
+        **peak.read(),
+        "tokens_digest": tokens_digest(tokens),
+        "tokens": tokens.cpu().tolist(),  # for tests and callers; not stored in the row
+    }

@@ -1,0 +1,86 @@
+"""The calibration kernels: the read bandwidth decode sees and the matmul rate, per device and dtype.
+Bandwidth: the best of the read-dominated kernels over data several times the last-level cache (L3
+is 32-105 MiB on the CPUs here, L2 at most 60 MB on H100/H200): a full reduction (a pure stream), a
+matrix-vector product (what a decode step's weight reads are), and on a CPU where oneDNN can pack the
+dtype, the same product through oneDNN's packed linear (the kernel the harness's CPU decode uses,
+which reads faster than aten's: a roof below the kernel in use would give fractions above 1). Matmul: a square GEMM in the dtype.
+Each kernel runs once to warm up, then `REPEATS` times; the best time stands, because on a shared
+machine noise only ever makes a kernel slower than the hardware allows.
+"""
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timezone
+
+from harness.store.calibration import Calibration
+
+REPEATS = 10
+READ_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}  # data streamed per read kernel
+MATMUL_N = {"cpu": 2048, "cuda": 8192}  # square GEMM size
+
+
+def measure(device_and_dtype: tuple[str, str]) -> Calibration:
+    """Run the calibration kernels (call it in a process of its own: it allocates ~1.5 READ_BYTES)."""
+    import torch
+
+    from harness.measure.device import device_name
+    from harness.measure.timing import StepTimer
+    from harness.model.cpu_linear import onednn_supports
+
+    device_type, dtype_name = device_and_dtype
+    device, dtype = torch.device(device_type), getattr(torch, dtype_name)
+    timer = StepTimer(device)
+
+    def best_seconds(kernel) -> float:
+        kernel()
+        return min(timer.time(kernel)[1] for _ in range(REPEATS))
+
+    read_bytes = READ_BYTES[device_type]
+    sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
+    with_packed = device_type == "cpu" and onednn_supports(dtype_name)
+    gemv_bw, packed_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed)
+    n = MATMUL_N[device_type]
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # [n, n] each
+    flops = 2 * n**3 / best_seconds(lambda: a @ b)
+    return Calibration(
+        device=device_type,
+        device_name=device_name(device),
+        hostname=socket.gethostname(),
+        dtype=dtype_name,
+        read_bandwidth_Bps=max(sum_bw, gemv_bw, packed_bw or 0.0),
+        read_bandwidth_sum_Bps=sum_bw,
+        read_bandwidth_gemv_Bps=gemv_bw,
+        read_bandwidth_packed_gemv_Bps=packed_bw,
+        matmul_flops=flops,
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        method=(
+            f"best of {REPEATS} after a warm-up; bandwidth: max(sum over {read_bytes >> 20} MiB, "
+            f"mv over a {read_bytes >> 21} MiB matrix, the same through oneDNN's packed linear "
+            f"where supported); matmul: {n}x{n}x{n} GEMM, {dtype_name}"
+        ),
+    )
+
+
+def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
+    """Bytes/s of a full reduction: a pure stream. Its buffer is freed on return."""
+    import torch
+
+    stream = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), device=device, dtype=dtype)  # [N]
+    return stream.nbytes / best_seconds(lambda: stream.sum())
+
+
+def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool) -> tuple[float, float | None]:
+    """Bytes/s of a matrix-vector product over an `nbytes` matrix: aten's, and oneDNN's packed one
+    (None unless `with_packed`). The matrices are freed on return."""
+    import torch
+
+    rows = 8192
+    cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
+    matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
+    vector = torch.ones(cols, device=device, dtype=dtype)  # [C]
+    aten = matrix.nbytes / best_seconds(lambda: torch.mv(matrix, vector))
+    if not with_packed:
+        return aten, None
+    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
+    row = vector[None, :]  # [1, C]
+    return aten, matrix.nbytes / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""))

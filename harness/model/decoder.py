@@ -1,0 +1,170 @@
+"""A Llama-3-style decoder with seeded random weights: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model knows nothing about caching. Each layer hands its roped queries and its new keys and values
+to a per-layer cache object (`strategies.base.LayerCache.attend`), which decides what is stored and
+what is read. That one call is the seam every decode strategy plugs into.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.config import ModelConfig
+from harness.model.random_fill import uniform_like_normal_
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama does) so bf16/fp16 runs do not lose the mean square.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class RotaryTable:
+    """cos/sin of RoPE angles for positions [0, max_len), built once per decode session."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float, device, dtype):
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)
+        self.cos = angles.cos().to(dtype)  # [max_len, D/2]
+        self.sin = angles.sin().to(dtype)  # [max_len, D/2]
+
+    def rotate(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Rotate x [B, T, heads, D] whose tokens sit at positions start_pos .. start_pos + T - 1."""
+        seq_len = x.shape[1]
+        cos = self.cos[start_pos : start_pos + seq_len, None, :]  # [T, 1, D/2]
+        sin = self.sin[start_pos : start_pos + seq_len, None, :]
+        x1, x2 = x.chunk(2, dim=-1)  # rotate-half pairing: dimension i pairs with i + D/2
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        # One fused projection for q, k, v: one weight read, one kernel per step.
+        self.wqkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=False)
+        self.wo = nn.Linear(q_width, cfg.d_model, bias=False)
+        self.split = (q_width, kv_width, kv_width)
+
+    def forward(self, x: torch.Tensor, rope: RotaryTable, cache, start_pos: int) -> torch.Tensor:
+        batch, seq_len, _ = x.shape  # x: [B, T, d_model]
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = rope.rotate(q.view(batch, seq_len, self.n_heads, self.head_dim), start_pos)  # [B, T, H, D]
+        k = rope.rotate(k.view(batch, seq_len, self.n_kv_heads, self.head_dim), start_pos)  # [B, T, n_kv, D]
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)  # [B, T, n_kv, D]
+        out = cache.attend(q, k, v, start_pos)  # [B, T, H, D]
+        return self.wo(out.reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RotaryTable, cache, start_pos: int) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Token ids in, logits of the last position out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from the embedding
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device  # the embedding is never repacked (harness.model.cpu_linear)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def rotary_table(self, max_len: int) -> RotaryTable:
+        c = self.cfg
+        return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, caches: Sequence, rope: RotaryTable) -> torch.Tensor:
+        """tokens [B, T] at positions start_pos.. -> logits [B, vocab] of the last position only.
+
+        Prefill needs only the last position's logits to pick the next token, so the output head (the
+        largest matmul of a small-batch step) runs on one position, not T.
+        """
+        h = self.tok_embeddings(tokens)  # [B, T, d_model]
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, rope, cache, start_pos)
+        return self.output(self.norm(h[:, -1]))  # [B, vocab]
+
+
+@torch.no_grad()
+def init_weights(model: Decoder, seed: int) -> None:
+    """Seeded random weights, scaled so activations stay finite at any depth and in bf16.
+
+    Values are uniform with the standard deviations below (harness.model.random_fill: filled on all cores;
+    a decode step's time does not depend on the distribution).
+
+    Projections get std 1/sqrt(fan_in), which keeps each matmul's output at unit scale; the two
+    projections that write into the residual stream (wo, w2) are further divided by sqrt(2 * n_layers),
+    so the residual's variance grows to about 2 over the whole depth instead of by 2 per layer.
+    """
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    residual_scale = 1.0 / math.sqrt(2 * model.cfg.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        std = 1.0 if name == "tok_embeddings.weight" else 1.0 / math.sqrt(param.shape[1])
+        if name.endswith(("wo.weight", "w2.weight")):
+            std *= residual_scale
+        uniform_like_normal_(param, std, generator)
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                matmul: str = "aten", batch_hint: int = 1) -> Decoder:
+    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
+
+    matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
+    `batch_hint` rows; the weights' values are unchanged.
+    """
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)  # on meta: costs nothing
+    model = model.to_empty(device=device)
+    init_weights(model, seed)
+    model = model.eval().requires_grad_(False)
+    if matmul == "onednn":
+        from harness.model.cpu_linear import pack_linears
+
+        pack_linears(model, batch_hint)
+    return model

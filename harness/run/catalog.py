@@ -1,0 +1,61 @@
+"""Every strategy a run can name: the options of the `strategy` config group, each one's class.
+
+The group is read from the shipped configs and from any extra config folders (Hydra's search path:
+`hydra.searchpath=[file:///abs/folder]` on a command line, or the folders in $HARNESS_SEARCHPATH,
+separated by ':', for tools such as the benchmark suite that compose no command line). So a strategy
+added as one Python file and one `strategy/<name>.yaml` in such a folder is known everywhere without
+an edit here. A YAML's file name must be its class's `name`: rows name strategies by class.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import yaml
+
+from harness.config import ConfigError
+from harness.config.paths import config_dir
+
+SEARCHPATH_ENV = "HARNESS_SEARCHPATH"
+
+
+def extra_config_dirs() -> list[Path]:
+    """Config folders named by $HARNESS_SEARCHPATH (file:// prefixes allowed)."""
+    value = os.environ.get(SEARCHPATH_ENV, "")
+    return [Path(part.removeprefix("file://")) for part in value.split(":") if part]
+
+
+def strategy_targets(extra_dirs: Iterable[Path] = ()) -> dict[str, str]:
+    """Option name -> `_target_` class path, over the shipped configs and `extra_dirs`."""
+    targets = {}
+    for folder in [config_dir(), *extra_dirs, *extra_config_dirs()]:
+        for path in sorted(Path(folder, "strategy").glob("*.yaml")):
+            targets[path.stem] = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
+    return targets
+
+
+def strategy_class(target: str, option: str = "strategy"):
+    """The class a `_target_` names, or ConfigError naming the key."""
+    from hydra.utils import get_class
+
+    from strategies.base import Strategy
+
+    try:
+        found = get_class(target)
+    except Exception as error:  # ImportError, AttributeError, ValueError: all mean a bad path
+        raise ConfigError(f"{option}._target_", f"cannot import {target!r}: {str(error).splitlines()[0]}") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError(f"{option}._target_", f"{target!r} is not a strategies.base.Strategy subclass")
+    return found
+
+
+def strategy_catalog(extra_dirs: Iterable[Path] = ()) -> dict:
+    """Option name -> Strategy subclass, every option's file name checked against its class's name."""
+    catalog = {}
+    for option, target in strategy_targets(extra_dirs).items():
+        cls = strategy_class(target, f"strategy={option}")
+        if cls.name != option:
+            raise ConfigError("strategy", f"conf strategy/{option}.yaml names {target}, whose name is {cls.name!r}")
+        catalog[option] = cls
+    return catalog

@@ -1,0 +1,98 @@
+"""A composed config resolved into a Point, once per point: every `auto` decided on this machine.
+
+The strategy is built from its `_target_` and options here, so a bad option fails before anything
+runs, with one line naming it; what the class declares (name, caches_kv, exact, its cache layout)
+goes into the point, and `backend=auto` is replaced by the kernel family it picks here (the contiguous
+strategy's choice depends on a C compiler being there), so the key of a point never matches a row that
+another kernel measured.
+"""
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from harness.config import ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
+
+DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+
+
+def cuda_available() -> bool:
+    import torch  # imported here: resolving `auto` is the only reason the parent process needs torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if cuda_available() else "cpu") if device == "auto" else device
+
+
+def resolve_traffic(traffic: str, device: str) -> str:
+    """`auto` uses Nsight Compute where it can read DRAM counters (CUDA with ncu on PATH)."""
+    from harness.measure.ncu import NCU_ENV, ncu_executable
+
+    if traffic == "ncu" and ncu_executable() is None:
+        raise ConfigError("traffic", f"ncu was asked for but is not on PATH (nor named by ${NCU_ENV}); allowed: auto, model")
+    if traffic != "auto":
+        return traffic
+    return "ncu" if device == "cuda" and ncu_executable() else "model"
+
+
+def resolve_matmul(matmul: str, device: str, dtype: str) -> str:
+    from harness.model.cpu_linear import onednn_supports, resolve_matmul as resolved
+
+    if matmul == "onednn" and (device != "cpu" or not onednn_supports(dtype)):
+        raise ConfigError("matmul", f"onednn packing is not supported for {dtype} on {device} here; allowed: auto, aten")
+    return resolved(matmul, device, dtype)
+
+
+def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int) -> StrategyChoice:
+    """The strategy of a point: its class built from the options (which it checks), its capabilities,
+    and `auto` resolved. A strategy that cannot run here keeps `auto`: its point becomes a skipped row
+    with the reason when it runs."""
+    import torch
+
+    from harness.run.catalog import strategy_class
+    from strategies.base import StrategyUnavailable
+
+    if "_target_" not in strategy_cfg:
+        raise ConfigError("strategy", "no _target_: pick an option of conf/strategy/ (strategy=<name>)")
+    cls = strategy_class(strategy_cfg["_target_"])
+    options = {k: v for k, v in strategy_cfg.items() if k != "_target_"}
+    try:
+        strategy = cls(**options)
+    except TypeError as error:  # an option the class does not take
+        raise ConfigError("strategy", f"{cls.__name__} refused its options: {str(error).splitlines()[0]}") from None
+    strategy.check_point(prefill, shape, max_len)
+    try:
+        backend = strategy.resolve_backend(torch.device(device), getattr(torch, dtype), shape)
+    except StrategyUnavailable:
+        backend = strategy.backend
+    return StrategyChoice(name=cls.name, strategy_class=f"{cls.__module__}.{cls.__qualname__}", backend=backend,
+                          caches_kv=cls.caches_kv, exact=cls.exact, strategy_options=strategy.options(),
+                          layout=strategy.cache_layout())
+
+
+def point_from_config(cfg) -> Point:
+    """Resolve a composed (and validated) config into a Point. Raises ConfigError for what only the
+    strategy, the matmul kernel or the traffic source can refuse."""
+    import torch
+
+    device = resolve_device(cfg.device)
+    dtype = DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype
+    model = model_config_from(OmegaConf.to_container(cfg.model, resolve=True))
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    max_len = cfg.ctx + cfg.decode_tokens
+    return Point(
+        model=model,
+        strategy=resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len),
+        timing=TimingConfig(**OmegaConf.to_container(cfg.timing, resolve=True)),
+        batch=cfg.batch,
+        ctx=cfg.ctx,
+        decode_tokens=cfg.decode_tokens,
+        device=device,
+        dtype=dtype,
+        seed=cfg.seed,
+        prefill=cfg.prefill,
+        traffic=resolve_traffic(cfg.traffic, device),
+        matmul=resolve_matmul(cfg.matmul, device, dtype),
+        threads=torch.get_num_threads(),
+    )

@@ -1,0 +1,84 @@
+"""Assemble a row: the point's dataclasses flattened, what was measured, the analytic model at the
+point, the roofs it is judged against, and the run's metadata. Every key is a column of
+harness.store.schema, and every column is filled by exactly one of these parts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime, timezone
+
+from harness.analysis import analytic
+from harness.config import CacheLayout, Point
+from harness.run.metadata import run_metadata
+from harness.store.schema import COLUMN_NAMES, COLUMNS_BY_SOURCE
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """A dataclass as flat columns: a nested dataclass's fields take its class's ROW_PREFIX, its `name`
+    field takes the name of the field holding it (model.name -> `model`), a None dataclass leaves its
+    columns null, and a dict becomes JSON text."""
+    row = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if dataclasses.is_dataclass(value):
+            row.update(_nested(value, field.name))
+        elif value is None and field.name == "layout":  # no cache: the layout's columns stay null
+            row.update({f"{CacheLayout.ROW_PREFIX}{f.name}": None for f in dataclasses.fields(CacheLayout)})
+        elif isinstance(value, dict):
+            row[prefix + field.name] = json.dumps(value, sort_keys=True)
+        else:
+            row[prefix + field.name] = value
+    return row
+
+
+def _nested(value, holder: str) -> dict:
+    prefix = getattr(type(value), "ROW_PREFIX", f"{holder}_")
+    columns = flatten(value, prefix)
+    if f"{prefix}name" in columns:
+        columns[holder] = columns.pop(f"{prefix}name")
+    return columns
+
+
+def model_columns(point: Point) -> dict:
+    """The analytic model at the point: one call of analytic.mean_decode_step."""
+    layout, shape = point.strategy.layout, point.model
+    step = analytic.mean_decode_step(shape, point.dtype, point.batch, point.ctx, point.decode_tokens, layout)
+    return {
+        "weight_bytes": analytic.weight_bytes(shape, point.dtype),
+        "kv_cache_bytes_model": round(analytic.kv_cache_bytes(shape, point.dtype, point.batch, point.max_len, layout)),
+        "bytes_per_step_model": round(step.bytes),
+        "flops_per_step_model": step.flops,
+    }
+
+
+def roof_columns(row: dict, roofs) -> dict:
+    """The roofs the row is judged against and the fractions of them the measured step reached."""
+    columns = dict.fromkeys(COLUMNS_BY_SOURCE["roofs"])
+    if roofs is None:
+        return columns
+    columns.update(roof_bandwidth_Bps=roofs.read_bandwidth_Bps, roof_flops=roofs.matmul_flops)
+    step_bytes, step_flops = row["bytes_per_step_model"], row["flops_per_step_model"]
+    roof = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=roofs.read_bandwidth_Bps)
+    columns["roof_bound"] = analytic.bound(step_flops, step_bytes, roof)
+    if row["status"] == "ok":
+        step = row["decode_step_s"]
+        columns["bandwidth_fraction"] = step_bytes / step / roofs.read_bandwidth_Bps
+        columns["flops_fraction"] = step_flops / step / roofs.matmul_flops
+        # The binding roof's fraction: how close the step came to what this machine allows at all. A
+        # compute-bound step cannot reach a bandwidth fraction above ridge / intensity, however good.
+        columns["roofline_fraction"] = analytic.roofline_time(step_flops, step_bytes, roof) / step
+    return columns
+
+
+def build_row(point: Point, measured: dict, roofs=None) -> dict:
+    """`measured`: measure_point's outcome (extra keys such as `tokens` are not columns and are
+    dropped); `roofs`: a harness.store.calibration.Calibration for the point's device and dtype, or None."""
+    outcome = {**dict.fromkeys(COLUMNS_BY_SOURCE["measured"]), "traffic_source": "model",
+               **{k: v for k, v in measured.items() if k in COLUMNS_BY_SOURCE["measured"]}}
+    row = {**flatten(point), **outcome, **model_columns(point)}
+    row.update(roof_columns(row, roofs))
+    row.update(run_metadata(), timestamp=datetime.now(timezone.utc), point_key=point.key,
+               config_json=json.dumps(point.identity(), sort_keys=True))
+    if set(row) != set(COLUMN_NAMES):
+        raise AssertionError(f"row and schema disagree: {sorted(set(row) ^ set(COLUMN_NAMES))}")
+    return {name: row[name] for name in COLUMN_NAMES}

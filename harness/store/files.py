@@ -1,0 +1,98 @@
+"""Rows on disk: one Parquet file per point, written whole or not at all.
+
+A row is written to a hidden temporary file in the results folder, flushed to disk, then renamed over
+its final name. Rename within one filesystem is atomic, so a reader (or a sweep killed with SIGKILL)
+only ever sees whole files; the temporary name starts with '.', which pyarrow's dataset discovery and
+our own glob both skip. A file's name ends in the point's key, so finding finished points is a
+directory listing plus a read of each candidate's footer: a file counts as finished only if it reads as
+Parquet and holds one row (a truncated file left by a full disk or a foreign writer is measured again).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from harness.store.schema import SCHEMA
+
+KEY_IN_NAME = re.compile(r"__([0-9a-f]{16})\.parquet$")
+TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
+
+
+def row_filename(row: dict) -> str:
+    return f"{row['strategy']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
+
+
+def _holds_one_row(path: Path) -> bool:
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 1
+    except Exception:  # pyarrow raises several types for a damaged file
+        return False
+
+
+def finished_keys(results_dir: str | Path) -> set[str]:
+    """Keys of the points that already have a complete row file."""
+    folder = Path(results_dir)
+    if not folder.is_dir():
+        return set()
+    return {m.group(1) for p in folder.glob("*.parquet") if (m := KEY_IN_NAME.search(p.name)) and _holds_one_row(p)}
+
+
+def row_table(row: dict) -> pa.Table:
+    """One row as an Arrow table of the schema, with pandas metadata that makes pandas.read_parquet give
+    nullable Int64 and boolean columns (not float64 and object where a value is null)."""
+    frame = pd.DataFrame([row])
+    for field in SCHEMA:
+        if pa.types.is_integer(field.type):
+            frame[field.name] = frame[field.name].astype("Int64")
+        elif pa.types.is_boolean(field.type):
+            frame[field.name] = frame[field.name].astype("boolean")
+        elif pa.types.is_floating(field.type):
+            frame[field.name] = frame[field.name].astype("float64")
+        elif pa.types.is_string(field.type):
+            frame[field.name] = frame[field.name].astype("object")
+    return pa.Table.from_pandas(frame, schema=SCHEMA, preserve_index=False)
+
+
+def write_row(results_dir: str | Path, row: dict) -> Path:
+    """Write one row atomically; replaces an older row of the same point (overwrite=true)."""
+    folder = Path(results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / row_filename(row)
+    temporary = folder / f".{final.name}.tmp-{os.getpid()}"
+    table = row_table(row)
+    try:
+        with open(temporary, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return final
+
+
+def remove_stale_temporaries(results_dir: str | Path) -> list[Path]:
+    """Delete temporary files left by writers that were killed (their process no longer exists)."""
+    folder = Path(results_dir)
+    removed = []
+    for path in folder.glob(".*.parquet.tmp-*") if folder.is_dir() else ():
+        match = TEMP_NAME.match(path.name)
+        if match and not _process_alive(int(match.group(2))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,110 @@
+"""The Parquet row: every column, its Arrow type, its unit, its meaning and where it comes from.
+
+One source of truth: the writer casts each row to this schema (so a null in one file and a float in
+another never disagree on type), docs/columns.md is checked against it by a test, and readers can rely
+on it. Integers are nullable (pandas reads them as Int64, not float), booleans are booleans, the
+timestamp is a timestamp. Every ratio runs measured / analytic unless its name says otherwise (the
+`*_fraction` columns: share of a roof reached, analytic / measured time).
+
+Sources (the fifth field): `point` columns are the resolved point's dataclasses flattened
+(harness.run.row.flatten), `measured` ones come from the point's process, `model` from the analytic
+model, `roofs` from the calibration the row is judged against, `run` from the run's metadata.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+T = pa.timestamp("us", tz="UTC")
+
+# (name, type, unit, meaning, source)
+COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
+    # the point: what was asked for, resolved
+    ("strategy", S, "", "decode strategy: the class's name (conf/strategy/<name>.yaml)", "point"),
+    ("strategy_class", S, "", "import path of the strategy class that ran", "point"),
+    ("backend", S, "", "kernel family the strategy ran (auto resolved on this machine)", "point"),
+    ("caches_kv", B, "", "the strategy stores K/V between steps", "point"),
+    ("exact", B, "", "the strategy is proven to generate the no-cache reference's tokens", "point"),
+    ("strategy_options", S, "JSON", "the strategy's other options (block_size, format, ...)", "point"),
+    ("cache_block_size", I, "tokens", "allocation unit of the cache per sequence (1: exact; paged: its block)", "point"),
+    ("cache_reads_max_len", B, "", "attention reads every preallocated position each step", "point"),
+    ("cache_copies_per_step", B, "", "the cache is copied into a new one every step", "point"),
+    ("cache_value_bits", I, "bits", "bits per stored K/V element; 0: the compute dtype's", "point"),
+    ("cache_scale_bytes_per_token", F, "B", "quantization scales per token and KV head, K and V together", "point"),
+    ("cache_residual_tokens", I, "tokens", "recent tokens kept at full width (quantized caches)", "point"),
+    ("model", S, "", "model preset name (conf/model/)", "point"),
+    ("vocab_size", I, "tokens", "vocabulary size", "point"),
+    ("d_model", I, "", "residual width", "point"),
+    ("n_layers", I, "", "decoder blocks", "point"),
+    ("n_heads", I, "", "query heads per layer", "point"),
+    ("n_kv_heads", I, "", "key/value heads per layer", "point"),
+    ("ffn_dim", I, "", "SwiGLU hidden width", "point"),
+    ("head_dim", I, "", "per-head width", "point"),
+    ("rope_theta", F, "", "RoPE base frequency", "point"),
+    ("norm_eps", F, "", "RMSNorm epsilon", "point"),
+    ("timing_warmup_min", I, "steps", "warm-up steps always run", "point"),
+    ("timing_warmup_max", I, "steps", "warm-up steps at most", "point"),
+    ("timing_settle_tolerance", F, "", "warm-up ends when two steps differ by less than this fraction", "point"),
+    ("timing_cuda_graphs", B, "", "steps were replayed from CUDA graphs", "point"),
+    ("timing_cold_cache", B, "", "the last-level cache (L2 on a GPU) was flushed before each timed step", "point"),
+    ("batch", I, "sequences", "sequences decoded together", "point"),
+    ("ctx", I, "tokens", "prompt tokens per sequence, the context at the first decode step", "point"),
+    ("decode_tokens", I, "steps", "timed greedy decode steps", "point"),
+    ("device", S, "", "cpu or cuda", "point"),
+    ("dtype", S, "", "weights, activations and cache dtype", "point"),
+    ("seed", I, "", "seed of weights and prompt", "point"),
+    ("prefill", S, "", "compute (prompt run) or random (cache filled with random K/V)", "point"),
+    ("traffic", S, "", "where measured bytes were asked from: model or ncu", "point"),
+    ("matmul", S, "", "linear-layer kernel asked for, resolved: aten or onednn", "point"),
+    ("threads", I, "", "torch intra-op threads", "point"),
+    # outcome
+    ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
+    ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
+    ("kernel", S, "", "attention kernel that actually ran; null when the point did not run", "measured"),
+    ("matmul_kernel", S, "", "linear-layer kernel that ran: aten.linear or onednn.linear(packed weight)", "measured"),
+    ("device_name", S, "", "processor or GPU model", "measured"),
+    # time
+    ("prefill_s", F, "s", "time of the prompt's forward pass (null with prefill=random)", "measured"),
+    ("decode_step_s", F, "s", "median time of one decode step (for no_cache: one full recompute)", "measured"),
+    ("decode_step_p10_s", F, "s", "10th percentile of decode step times", "measured"),
+    ("decode_step_p90_s", F, "s", "90th percentile of decode step times", "measured"),
+    ("decode_steps_timed", I, "steps", "number of timed steps behind the percentiles", "measured"),
+    ("warmup_steps", I, "steps", "untimed warm-up steps run at the first decode position", "measured"),
+    ("timing_method", S, "", "clock and options that timed the steps: CUDA events or perf_counter, cache flush, CUDA graph replay", "measured"),
+    ("tokens_per_s", F, "tokens/s", "batch / decode_step_s", "measured"),
+    # memory
+    ("kv_cache_bytes", I, "B", "bytes of cache storage held at the end of the point (0 without a cache)", "measured"),
+    ("peak_memory_bytes", I, "B", "the point's own peak: CUDA max_memory_allocated; CPU resident set above the process baseline", "measured"),
+    ("peak_memory_reserved_bytes", I, "B", "CUDA max_memory_reserved; null on CPU", "measured"),
+    ("process_baseline_bytes", I, "B", "CPU: resident set of Python and torch before the point allocated", "measured"),
+    # traffic
+    ("bytes_per_step_measured", F, "B", "DRAM bytes read + written per step from a hardware counter; null where none exists", "measured"),
+    ("traffic_source", S, "", "what filled bytes_per_step_measured: model (nothing measured) or ncu", "measured"),
+    ("ncu_kernels", I, "", "kernel launches ncu profiled over the timed steps; null without ncu", "measured"),
+    # proof of exactness
+    ("tokens_digest", S, "", "hash of the generated token ids; equal across strategies means identical outputs", "measured"),
+    # the analytic model at this point
+    ("weight_bytes", I, "B", "bytes of all weights", "model"),
+    ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
+    ("bytes_per_step_model", I, "B", "bytes a decode step must move (weights, cache read, written, copied), mean over the timed steps", "model"),
+    ("flops_per_step_model", F, "FLOP", "FLOPs of a decode step, mean over the timed steps", "model"),
+    # roofs (calibration)
+    ("roof_bandwidth_Bps", F, "B/s", "read bandwidth calibrated on this device and dtype; null if not calibrated", "roofs"),
+    ("roof_flops", F, "FLOP/s", "matmul rate calibrated on this device and dtype; null if not calibrated", "roofs"),
+    ("roof_bound", S, "", "the roof that binds the step at the calibrated roofs: memory or compute", "roofs"),
+    ("bandwidth_fraction", F, "", "share of the read roof reached: bytes_per_step_model / decode_step_s / roof_bandwidth_Bps", "roofs"),
+    ("flops_fraction", F, "", "share of the FLOP roof reached: flops_per_step_model / decode_step_s / roof_flops", "roofs"),
+    ("roofline_fraction", F, "", "roofline time at the calibrated roofs / decode_step_s: max(bandwidth_fraction, flops_fraction)", "roofs"),
+    # run metadata
+    ("timestamp", T, "UTC", "when the row was written", "run"),
+    ("torch_version", S, "", "torch.__version__ of the run", "run"),
+    ("harness_version", S, "", "version of this package", "run"),
+    ("git_commit", S, "", "commit of the harness checkout, with +dirty if it had changes", "run"),
+    ("hostname", S, "", "machine that ran the point", "run"),
+    ("point_key", S, "", "hash of the resolved point; a re-run skips keys it already has", "run"),
+    ("config_json", S, "JSON", "the resolved point", "run"),
+]
+
+SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in COLUMNS])
+COLUMN_NAMES = [name for name, *_ in COLUMNS]
+COLUMNS_BY_SOURCE = {source: [c[0] for c in COLUMNS if c[4] == source] for source in ("point", "measured", "model", "roofs", "run")}
