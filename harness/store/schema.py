@@ -108,3 +108,33 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
 SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in COLUMNS])
 COLUMN_NAMES = [name for name, *_ in COLUMNS]
 COLUMNS_BY_SOURCE = {source: [c[0] for c in COLUMNS if c[4] == source] for source in ("point", "measured", "model", "roofs", "run")}
+
+
+SOURCES = {  # the headings of docs/columns.md, one per source
+    "point": "The point: what was asked for, resolved",
+    "measured": "Measured in the point's process",
+    "model": "The analytic model at this point",
+    "roofs": "The roofs the row is judged against",
+    "run": "The run",
+}
+
+
+def columns_markdown() -> str:
+    """docs/columns.md, generated from COLUMNS (`python -m harness.store.schema > docs/columns.md`;
+    a test keeps the committed file equal to this)."""
+    lines = ["# Columns of a row", "",
+             "Every Parquet row under `results/` has these columns, in this order (generated from",
+             "`harness/store/schema.py` by `python -m harness.store.schema > docs/columns.md`; a test keeps",
+             "them equal). Integers are nullable (pandas reads them as `Int64`), `timestamp` is a UTC",
+             "timestamp. Ratios run measured / analytic; the `*_fraction` columns are shares of a roof reached.",
+             ""]
+    for source, heading in SOURCES.items():
+        lines += [f"## {heading}", "", "| column | type | unit | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{name}` | {dtype} | {unit} | {meaning} |"
+                  for name, dtype, unit, meaning, where in COLUMNS if where == source]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(columns_markdown(), end="")
