@@ -28,7 +28,7 @@ BAD = {  # override -> key the message must name
     "strategy=flash strategy.backend=triton": "strategy.backend",
     "strategy=no_cache prefill=random": "prefill",
     "device=cuda": "device",  # this machine has no CUDA device
-    "timing.cuda_graphs=true": "timing.cuda_graphs",  # graphs need CUDA; the point would run on the CPU
+    "device=cpu timing.cuda_graphs=true": "timing.cuda_graphs",  # graphs need CUDA; the point runs on the CPU
 }
 
 

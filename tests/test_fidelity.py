@@ -16,7 +16,7 @@ from tests.conftest import TINY, planned_point, run_cli
 @pytest.fixture(scope="module")
 def calibrated_run(tmp_path_factory):
     results = tmp_path_factory.mktemp("calibration") / "results"
-    first = run_cli("model=tiny", "ctx=16", "decode_tokens=4", f"results_dir={results}")
+    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", f"results_dir={results}")
     assert first.returncode == 0, first.stderr
     return results, first
 
@@ -32,10 +32,10 @@ def test_calibration_is_reused_until_forced(calibrated_run):
     results, _ = calibrated_run
     path = calibrate.record_path(results, "cpu", "float32")
     before = path.read_text()
-    again = run_cli("model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
+    again = run_cli("device=cpu", "model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
     assert again.returncode == 0 and "calibrated" not in again.stderr + again.stdout
     assert path.read_text() == before
-    forced = run_cli("model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", f"results_dir={results}")
+    forced = run_cli("device=cpu", "model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", f"results_dir={results}")
     assert forced.returncode == 0 and "calibrated cpu/float32" in forced.stderr + forced.stdout
     assert path.read_text() != before
 

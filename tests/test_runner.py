@@ -14,7 +14,7 @@ import pytest
 from harness.store.schema import COLUMN_NAMES, SCHEMA
 from tests.conftest import REPO_ROOT, run_cli
 
-TINY_SWEEP = ["-m", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6"]
+TINY_SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_rerun_skips_finished_points_unless_overwrite(swept):
     again = run_cli(*TINY_SWEEP, f"results_dir={results}")
     assert again.returncode == 0 and "12 already measured" in again.stdout + again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")} == before
-    redo = run_cli("model=tiny", "batch=1", "ctx=8", "decode_tokens=6", "strategy=contiguous", "overwrite=true",
+    redo = run_cli("device=cpu", "model=tiny", "batch=1", "ctx=8", "decode_tokens=6", "strategy=contiguous", "overwrite=true",
                    f"results_dir={results}")
     assert redo.returncode == 0
     after = {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")}
@@ -75,7 +75,7 @@ def test_rerun_skips_finished_points_unless_overwrite(swept):
 
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
-    result = run_cli("-m", "model=tiny", "decode_tokens=4", "ctx=8", "batch=1,2",
+    result = run_cli("-m", "device=cpu", "model=tiny", "decode_tokens=4", "ctx=8", "batch=1,2",
                      "strategy._target_=tests.failing.ExplodingStrategy", f"results_dir={results_dir}")
     assert result.returncode == 1  # the sweep finished, and says some point failed
     frame = pd.read_parquet(results_dir)
@@ -84,7 +84,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
 
 
 def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
-    args = ["-m", "model=tiny", "strategy=no_cache,contiguous", "batch=1,2,3", "ctx=8,16", "decode_tokens=40",
+    args = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous", "batch=1,2,3", "ctx=8,16", "decode_tokens=40",
             f"results_dir={results_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     sweep = subprocess.Popen([sys.executable, "-m", "harness.run", *args], cwd=REPO_ROOT, env=env,
@@ -106,7 +106,7 @@ def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
 
 def test_a_small_point_after_a_large_one_shows_its_own_peak(results_dir):
     # Large: 256 sequences x 1040 tokens x 512 B/token = 136 MB of cache. Small: 1 x 20 tokens.
-    result = run_cli("-m", "model=tiny", "strategy=contiguous", "batch=256,1", "ctx=1024,16", "decode_tokens=4",
+    result = run_cli("-m", "device=cpu", "model=tiny", "strategy=contiguous", "batch=256,1", "ctx=1024,16", "decode_tokens=4",
                      f"results_dir={results_dir}")
     assert result.returncode == 0, result.stderr
     frame = pd.read_parquet(results_dir).set_index(["batch", "ctx"])

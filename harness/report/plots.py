@@ -21,6 +21,7 @@ from harness.report.groups import Group, cached_rows, ordered_strategies, refere
 
 REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
 STRATEGY_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per cache where colour already means the batch
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 DPI = 110
 
@@ -118,17 +119,19 @@ def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
         time_ratio = [_mean_step(group, int(batch), int(c), None).seconds
                       / _mean_step(group, int(batch), int(c), plain).seconds for c in grid]
         ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
-        pairs = measured_ratio(ok, int(batch), cached_name)
-        if pairs:
-            ax.plot(*zip(*pairs), "o", color=colour, ms=7, label=f"measured time ratio, batch {batch}")
+        for j, strategy in enumerate(ordered_strategies(cached_rows(ok))):
+            pairs = measured_ratio(ok, int(batch), strategy)
+            if pairs:
+                ax.plot(*zip(*pairs), MARKERS[j % len(MARKERS)], color=colour, ms=7,
+                        label=f"measured, {strategy}, batch {batch}")
     ax.axhline(1.0, color="#999", lw=0.8)
     _context_axis(ax, ok["ctx"])
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens before the first decode step)")
     reference = ", ".join(sorted(reference_rows(ok)["strategy"].unique()))
-    ax.set_ylabel(f"{reference} ÷ {cached_name}, per decode step")
-    ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline, dots: measured)\n{group.title}",
-                 fontsize=10)
+    ax.set_ylabel(f"{reference} ÷ cache, per decode step")
+    ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline of {cached_name}, "
+                 f"markers: measured per cache)\n{group.title}", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -187,14 +190,17 @@ def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
         decode = [analytic.decode_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
         left.plot(grid, decode, "-", color=colour, lw=1.6, label=f"decode, batch {batch}")
         left.plot(grid, prefill, "--", color=colour, lw=1.6, label=f"prefill, batch {batch}")
-        mine = ok[ok["batch"] == batch].sort_values("ctx")
-        if mine.empty:
-            continue
-        decode_t = mine["decode_step_s"] / mine["batch"]
-        prefill_t = mine["prefill_s"] / (mine["batch"] * mine["ctx"])
-        right.plot(mine["ctx"], decode_t, "o-", color=colour, ms=5, label=f"decode, batch {batch}")
-        if prefill_t.notna().any():
-            right.plot(mine["ctx"], prefill_t, "s--", color=colour, ms=5, label=f"prefill, batch {batch}")
+        for j, strategy in enumerate(ordered_strategies(ok)):  # one marker per cache, one colour per batch
+            mine = ok[(ok["batch"] == batch) & (ok["strategy"] == strategy)].sort_values("ctx")
+            if mine.empty:
+                continue
+            marker = MARKERS[j % len(MARKERS)]
+            decode_t = mine["decode_step_s"] / mine["batch"]
+            prefill_t = mine["prefill_s"] / (mine["batch"] * mine["ctx"])
+            right.plot(mine["ctx"], decode_t, marker + "-", color=colour, ms=5, label=f"decode, {strategy}, batch {batch}")
+            if prefill_t.notna().any():
+                right.plot(mine["ctx"], prefill_t, marker + "--", color=colour, ms=5, mfc="none",
+                           label=f"prefill, {strategy}, batch {batch}")
     left.set_title("bytes moved per token (analytic)", fontsize=10)
     left.set_ylabel("bytes per token")
     right.set_title("time per token (measured, cached strategies)", fontsize=10)

@@ -52,7 +52,9 @@ def roofs_table(table: pd.DataFrame) -> Table:
     header = ["device", "device name", "dtype", "peak FLOP/s", "bandwidth", "ridge (FLOP/B)", "source"]
     body = []
     keys = ["device", "device_name", "dtype", "roof_flops_used", "roof_bandwidth_used", "roof_description"]
-    present = table.dropna(subset=["roof_flops_used"]) if "roof_flops_used" in table else table.iloc[0:0]
+    if "roof_flops_used" not in table:  # no row could be predicted
+        return Table(header, [], [False, False, False, True, True, True, False])
+    present = table.dropna(subset=["roof_flops_used"])
     for _, row in present[keys].drop_duplicates().iterrows():
         ridge = row["roof_flops_used"] / row["roof_bandwidth_used"]
         body.append([str(row["device"]), str(row["device_name"]), str(row["dtype"]),

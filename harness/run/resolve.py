@@ -8,6 +8,8 @@ another kernel measured.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import OmegaConf
 
 from harness.config import ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
@@ -79,6 +81,7 @@ def point_from_config(cfg) -> Point:
     device = resolve_device(cfg.device)
     dtype = DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype
     model = model_config_from(OmegaConf.to_container(cfg.model, resolve=True))
+    model = dataclasses.replace(model, head_dim=model.resolved_head_dim)  # resolved: no None left in a point
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     max_len = cfg.ctx + cfg.decode_tokens
     return Point(

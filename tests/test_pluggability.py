@@ -1,0 +1,67 @@
+"""A strategy defined only under tests/ (tests/plugin/: one Python file, one YAML on Hydra's search
+path) runs in a sweep beside the shipped ones, appears in the report's tables and plots, and in the
+benchmark suite's parametrisation, with no edit anywhere else."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from tests.conftest import REPO_ROOT, run_cli
+
+PLUGIN_CONF = REPO_ROOT / "tests" / "plugin" / "conf"
+PLUGIN = "plugin_cache"
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    results = tmp_path_factory.mktemp("plugin") / "results"
+    done = run_cli("-m", f"hydra.searchpath=[file://{PLUGIN_CONF}]", "device=cpu", "model=tiny",
+                   f"strategy=no_cache,contiguous,{PLUGIN}", "batch=1,2", "ctx=8,16", "decode_tokens=4",
+                   f"results_dir={results}")
+    assert done.returncode == 0, done.stderr
+    return results
+
+
+def test_the_plugin_runs_beside_the_shipped_strategies_and_is_exact(swept):
+    rows = pd.read_parquet(swept)
+    mine = rows[rows.strategy == PLUGIN]
+    assert len(mine) == 4 and (mine.status == "ok").all()
+    assert (mine.strategy_class == "tests.plugin.plugin_strategy.PluginCacheStrategy").all()
+    assert mine.caches_kv.all() and mine.kernel.str.startswith("python list").all()
+    assert (rows.groupby(["batch", "ctx"]).tokens_digest.nunique() == 1).all()  # same tokens as no_cache
+
+
+def test_the_plugin_appears_in_every_table_and_in_every_plot_that_names_strategies(swept, tmp_path, monkeypatch):
+    from harness.report import build, plots
+
+    legends = {}
+    real_save = plots._save
+
+    def recording_save(fig, folder, name):
+        texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        texts += [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        legends[name] = " ".join(texts)
+        return real_save(fig, folder, name)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    files = build.build_report(swept, out_dir=tmp_path)
+    naming = {name: text for name, text in legends.items() if "contiguous" in text}
+    assert len(naming) >= 3, legends  # step time, cache over no cache, cache bytes, prefill vs decode
+    for name, text in naming.items():
+        assert PLUGIN in text, f"{name} names contiguous but not {PLUGIN}: {text}"
+    markdown = files.markdown.read_text()
+    tables = [block for block in markdown.split("\n\n") if block.startswith("|") and "contiguous" in block]
+    assert tables and all(PLUGIN in table for table in tables)
+
+
+def test_the_plugin_is_in_the_benchmark_suites_parametrisation():
+    env = {**os.environ, "HARNESS_SEARCHPATH": str(PLUGIN_CONF), "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "benchmark",
+                           "-p", "no:cacheprovider", "tests/benchmarks"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"test_decode_step[light-{PLUGIN}]" in done.stdout and f"test_decode_step[heavy-{PLUGIN}]" in done.stdout
