@@ -123,6 +123,7 @@ class Strategy(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types it can run on
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")  # compute dtypes it can run in
     backends: ClassVar[tuple[str, ...]] = ()  # kernel families `strategy.backend` may name besides auto
+    graph_capturable: ClassVar[bool] = True  # a decode step can be captured in a CUDA graph and replayed
 
     def __init__(self, backend: str = "auto"):
         if backend not in ("auto", *self.backends):

@@ -29,6 +29,10 @@ BAD = {  # override -> key the message must name
     "strategy=no_cache prefill=random": "prefill",
     "device=cuda": "device",  # this machine has no CUDA device
     "device=cpu timing.cuda_graphs=true": "timing.cuda_graphs",  # graphs need CUDA; the point runs on the CPU
+    "strategy=paged strategy.block_size=0": "strategy.block_size",
+    "strategy=paged strategy.block_size=16 strategy.backend=flash_attn": "strategy.block_size",
+    "strategy=contiguous strategy.block_size=16": "strategy.block_size",  # an option contiguous does not take
+    "strategy._target_=nosuch.Klass": "strategy._target_",
 }
 
 

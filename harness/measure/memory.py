@@ -93,7 +93,8 @@ def required_bytes(point) -> int:
     tokens = point.max_len if layout is None else (point.ctx if point.prefill == "compute" else 1)
     hd = shape.resolved_head_dim
     activations = batch * tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
-    mask = (shape.n_heads // shape.n_kv_heads) * tokens * tokens if tokens > 1 else 0
+    keys = point.max_len if layout is not None and layout.reads_max_len else tokens  # a mask over max_len
+    mask = (shape.n_heads // shape.n_kv_heads) * tokens * keys if tokens > 1 else 0
     cache = analytic.kv_cache_bytes(shape, point.dtype, batch, point.max_len, layout)
     copies = 2 if layout is not None and layout.copies_per_step else 1
     logits = batch * shape.vocab_size * 4

@@ -46,7 +46,8 @@ def resolve_matmul(matmul: str, device: str, dtype: str) -> str:
     return resolved(matmul, device, dtype)
 
 
-def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int) -> StrategyChoice:
+def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,
+                     cuda_graphs: bool = False) -> StrategyChoice:
     """The strategy of a point: its class built from the options (which it checks), its capabilities,
     and `auto` resolved. A strategy that cannot run here keeps `auto`: its point becomes a skipped row
     with the reason when it runs."""
@@ -64,6 +65,9 @@ def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill
     except TypeError as error:  # an option the class does not take
         raise ConfigError("strategy", f"{cls.__name__} refused its options: {str(error).splitlines()[0]}") from None
     strategy.check_point(prefill, shape, max_len)
+    if cuda_graphs and not cls.graph_capturable:
+        raise ConfigError("timing.cuda_graphs", f"{cls.name} cannot be captured in a CUDA graph (its steps allocate "
+                                                "new tensors a replay would not see); allowed: false")
     try:
         backend = strategy.resolve_backend(torch.device(device), getattr(torch, dtype), shape)
     except StrategyUnavailable:
@@ -86,7 +90,7 @@ def point_from_config(cfg) -> Point:
     max_len = cfg.ctx + cfg.decode_tokens
     return Point(
         model=model,
-        strategy=resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len),
+        strategy=resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs),
         timing=TimingConfig(**OmegaConf.to_container(cfg.timing, resolve=True)),
         batch=cfg.batch,
         ctx=cfg.ctx,

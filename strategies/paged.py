@@ -1,0 +1,288 @@
+"""`paged`: K and V in fixed-size blocks taken from a shared pool as sequences grow (vLLM's PagedAttention).
+
+Per layer, a pool [n_blocks, block_size, n_kv, D] for K and one for V (the layout vLLM and
+flash_attn_with_kvcache use), and per session one block table [B, max_blocks] of int32 block ids,
+shared by every layer as vLLM's is: position p of sequence b lives in block table[b, p // block_size]
+at row p % block_size. Why a strategy of its own: a serving engine does not know how long a sequence
+will get, so it cannot give it a contiguous table; it hands out blocks as the sequence crosses block
+boundaries and attention reads them through the table. What that indirection costs a decode step is
+what this strategy measures.
+
+Allocation, decided here:
+- The pool is sized for every sequence at max_len (batch * ceil(max_len / block_size) blocks) and
+  zeroed up front, as a serving engine reserves its pool and as `contiguous` touches its table, so the
+  memory peak compares like for like. Blocks are handed out lazily from a free list, one per sequence
+  as its length crosses a block boundary (a prompt takes all its blocks at once), and `kv_cache_bytes`
+  counts the blocks handed out: each sequence rounds up to whole blocks. A session that runs to max_len
+  has handed out the whole pool by its last step.
+- The free list is a permutation of the pool's block ids drawn from a fixed seed (BLOCK_ORDER_SEED),
+  consumed front to back: a sequence's blocks are scattered through the pool in no order, so a kernel
+  that ignored the table would read other positions' keys and generate other tokens.
+- `rewind` keeps the blocks past the new length: a sequence that is rewound grows back over them
+  (warm-up repeats the first decode step), as its cache entries are overwritten. Nothing is returned
+  to the free list before the session ends.
+
+Attention kernels (`strategy.backend`):
+- `c`: decode steps through `cpu_paged_attention.c` (CPU, fp32), which reads each sequence's blocks in
+  place through the table; the prompt goes through gather + SDPA.
+- `torch`: any device: the sequence's blocks are gathered into a contiguous [B, n_kv, L, D] copy
+  every call, then SDPA on the grouped queries (strategies.attention). Reads the cache twice and
+  writes it once per step: the cost of paging without a paged kernel.
+- `flash_attn`: `flash_attn.flash_attn_with_kvcache(..., block_table=...)` (CUDA, fp16/bf16, the
+  flash_attn package): appends the new K/V into the blocks and attends in one launch. FlashAttention 2
+  takes paged caches only with block_size a multiple of 256, refused otherwise.
+- `auto` (default): `c` where it can run (CPU, fp32, the kernel builds), else `flash_attn` where it
+  can run (and block_size is a multiple of 256), else `torch`. Rows name the kernel that ran.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from harness.config import CacheLayout
+from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
+from strategies.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.attention import grouped_attention
+from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
+from strategies.cpu_kernel import MAX_DIM, MAX_GROUP, POINTER, SIZE, STRIDES, CKernel
+from strategies.flash import backend_unavailable as flash_attn_unavailable
+
+BACKENDS = ("c", "torch", "flash_attn")
+BLOCK_ORDER_SEED = 0x9A6ED  # seeds the free list's shuffle: fixed, so every run lays blocks out alike
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV needs page_block_size % 256 == 0
+FILL_CHUNK_ELEMENTS = 4 * PIECE_ELEMENTS  # fill_random's staging buffer: 64 MB of fp32 at most
+
+PAGED_KERNEL = CKernel("cpu_paged_attention.c", {
+    # q, k_pool, k_strides, v_pool, v_strides, block_table, table_stride, out, batch, n_kv, group, length,
+    # block_size, dim, scale, threads
+    "paged_decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, SIZE, POINTER, SIZE, SIZE,
+                               SIZE, SIZE, SIZE, SIZE, ctypes.c_float, ctypes.c_int],
+})
+GATHER_KERNEL = f"gather + {SDPA_KERNEL}"
+KERNELS = {
+    "c": f"{PAGED_KERNEL.name} for decode steps, {GATHER_KERNEL} for the prompt",
+    "torch": GATHER_KERNEL,
+    "flash_attn": "flash_attn.flash_attn_with_kvcache(block_table)",
+}
+
+
+def c_kernel_unavailable(device: torch.device, dtype: torch.dtype, shape=None) -> str | None:
+    """Why cpu_paged_attention.c cannot serve this device, dtype and model shape (None: any), or None."""
+    reason = PAGED_KERNEL.unavailable(device, dtype)
+    if reason is None and shape is not None:
+        group, head_dim = shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim
+        if group > MAX_GROUP or head_dim > MAX_DIM:  # the C source's MAX_GROUP and MAX_DIM, as contiguous's
+            reason = (f"{PAGED_KERNEL.source.name} takes at most {MAX_GROUP} query heads per KV head and "
+                      f"head_dim {MAX_DIM}; this model has {group} and {head_dim}")
+    return reason
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           length: int) -> torch.Tensor:
+    """q [B, n_kv, G, D]; k_pool, v_pool [n_blocks, block_size, n_kv, D]; block_table [B, max_blocks] int32
+    (its first ceil(length / block_size) columns are read) -> [B, n_kv, G, D].
+
+    Softmax(q k^T / sqrt(D)) v over each sequence's positions 0..length-1, read through the table; the
+    caller has checked `c_kernel_unavailable`.
+    """
+    library = PAGED_KERNEL.library()
+    batch, n_kv, group, head_dim = q.shape
+    if group > MAX_GROUP or head_dim > MAX_DIM:
+        raise ValueError(f"{PAGED_KERNEL.source.name} takes at most {MAX_GROUP} query heads per KV head and head_dim {MAX_DIM}")
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("pool rows must be contiguous")
+    if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+        raise ValueError("the block table must be int32 with contiguous rows")
+    if block_table.shape[1] * k_pool.shape[1] < length:
+        raise ValueError(f"a table of {block_table.shape[1]} blocks of {k_pool.shape[1]} cannot hold {length} tokens")
+    q = q.contiguous()
+    out = torch.empty_like(q)  # [B, n_kv, G, D]
+    strides = ctypes.c_int64 * 3
+    library.paged_decode_attention(
+        q.data_ptr(), k_pool.data_ptr(), strides(*k_pool.stride()[:3]), v_pool.data_ptr(),
+        strides(*v_pool.stride()[:3]), block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
+        batch, n_kv, group, length, k_pool.shape[1], head_dim, head_dim**-0.5, torch.get_num_threads(),
+    )
+    return out
+
+
+def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """pool [n_blocks, block_size, n_kv, D], block_table [B, max_blocks] -> [B, n_kv, length, D]: a copy of
+    each sequence's first `length` positions in order (a view of the gathered copy, positions strided)."""
+    batch, block_size = block_table.shape[0], pool.shape[1]
+    used = math.ceil(length / block_size)
+    gathered = pool.index_select(0, block_table[:, :used].reshape(-1))  # [B * used, block_size, n_kv, D]
+    rows = gathered.view(batch, used * block_size, *pool.shape[2:])  # [B, used * block_size, n_kv, D]
+    return rows[:, :length].transpose(1, 2)  # [B, n_kv, length, D]
+
+
+class BlockTable:
+    """The session's block ids per sequence and the free list they come from; shared by all layers."""
+
+    def __init__(self, batch: int, max_len: int, block_size: int, device):
+        self.batch, self.block_size = batch, block_size
+        self.max_blocks = math.ceil(max_len / block_size)  # blocks a sequence of max_len needs
+        self.n_blocks = batch * self.max_blocks  # the pool: every sequence at max_len
+        order = torch.randperm(self.n_blocks, generator=torch.Generator().manual_seed(BLOCK_ORDER_SEED))
+        self.free = order.to(device=device, dtype=torch.int32)  # [n_blocks] the free list, consumed front to back
+        self.handed_out = 0  # entries of `free` taken so far
+        # Entries past a sequence's blocks are 0, a valid id: a kernel reading a whole row never faults.
+        self.ids = torch.zeros(batch, self.max_blocks, dtype=torch.int32, device=device)  # [B, max_blocks]
+        self.blocks_per_sequence = 0  # the same for every sequence: the batch grows in step
+
+    def reserve(self, length: int) -> None:
+        """Hand each sequence the blocks positions 0..length-1 need that it does not have yet.
+
+        Called by every layer before it writes; all but the first find the blocks there. The ids are
+        copied device to device, so the step stays capturable in a CUDA graph."""
+        needed = math.ceil(length / self.block_size)
+        if needed <= self.blocks_per_sequence:
+            return
+        if needed > self.max_blocks:
+            raise ValueError(f"{length} tokens need {needed} blocks per sequence; the pool has {self.max_blocks}")
+        count = needed - self.blocks_per_sequence
+        taken = self.free[self.handed_out:self.handed_out + self.batch * count]  # sequence b takes run b
+        self.ids[:, self.blocks_per_sequence:needed] = taken.view(self.batch, count)
+        self.handed_out += self.batch * count
+        self.blocks_per_sequence = needed
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Flat pool rows [B * T] (block * block_size + offset) of positions start..end-1, sequence-major."""
+        if end - start == 1:  # a decode step: one column of the table, three small ops
+            column, offset = divmod(start, self.block_size)
+            return self.ids[:, column].long() * self.block_size + offset
+        positions = torch.arange(start, end, device=self.ids.device)  # [T]
+        blocks = self.ids[:, positions // self.block_size].long()  # [B, T]
+        return (blocks * self.block_size + positions % self.block_size).reshape(-1)
+
+
+class PagedLayerCache:
+    """One layer's K and V pools, read and written through the session's BlockTable."""
+
+    def __init__(self, blocks: BlockTable, n_kv_heads: int, head_dim: int, device, dtype, backend: str):
+        shape = (blocks.n_blocks, blocks.block_size, n_kv_heads, head_dim)
+        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)  # [n_blocks, block_size, n_kv, D]
+        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)  # [n_blocks, block_size, n_kv, D]
+        self.blocks = blocks
+        self.backend = backend  # "c", "torch" or "flash_attn", resolved by the strategy
+        if backend == "flash_attn":
+            from flash_attn import flash_attn_with_kvcache
+
+            self.flash_attn = flash_attn_with_kvcache
+            self.seqlens = torch.zeros(blocks.batch, dtype=torch.int32, device=device)  # [B] cached length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks handed out, K and V: each sequence rounded up to whole blocks."""
+        block_bytes = self.k_pool[0].nbytes + self.v_pool[0].nbytes
+        return self.blocks.handed_out * block_bytes
+
+    def fill_random(self, length: int, generator: torch.Generator) -> None:
+        """Random values in every handed-out block (the session has reserved `length` tokens), in chunks
+        staged through a buffer of at most FILL_CHUNK_ELEMENTS, since the blocks are not one slice."""
+        ids = self.blocks.ids[:, :self.blocks.blocks_per_sequence].reshape(-1).long()  # [handed out]
+        per_chunk = max(1, FILL_CHUNK_ELEMENTS // self.k_pool[0].numel())
+        for pool in (self.k_pool, self.v_pool):
+            for chunk in ids.split(per_chunk):
+                staged = torch.empty((len(chunk), *pool.shape[1:]), device=pool.device, dtype=pool.dtype)
+                pool.index_copy_(0, chunk, uniform_like_normal_(staged, 1.0, generator))
+
+    def attend(self, q, k, v, start_pos):
+        batch, seq_len, n_heads, head_dim = q.shape
+        end = start_pos + seq_len
+        self.blocks.reserve(end)
+        if self.backend == "flash_attn":
+            self.seqlens.fill_(start_pos)
+            # q [B, T, H, D], k/v [B, T, n_kv, D] are the kernel's layout; it writes k/v into the blocks at
+            # cache_seqlens and attends causally (bottom-right aligned) in the same launch.
+            return self.flash_attn(q, self.k_pool, self.v_pool, k=k, v=v, cache_seqlens=self.seqlens,
+                                   block_table=self.blocks.ids, causal=True)
+        rows = self.blocks.rows(start_pos, end)  # [B * T]
+        n_kv = k.shape[2]
+        self.k_pool.view(-1, n_kv, head_dim).index_copy_(0, rows, k.reshape(-1, n_kv, head_dim))
+        self.v_pool.view(-1, n_kv, head_dim).index_copy_(0, rows, v.reshape(-1, n_kv, head_dim))
+        if seq_len == 1 and self.backend == "c":
+            # Query head h = kv * G + g, as in grouped_attention: [B, 1, H, D] -> [B, n_kv, G, D].
+            grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)
+            out = paged_decode_attention(grouped, self.k_pool, self.v_pool, self.blocks.ids, end)
+            return out.view(batch, 1, n_heads, head_dim)
+        k_seq = gather_blocks(self.k_pool, self.blocks.ids, end)  # [B, n_kv, end, D]
+        v_seq = gather_blocks(self.v_pool, self.blocks.ids, end)
+        return grouped_attention(q, k_seq, v_seq, q_offset=start_pos)
+
+
+class PagedSession(CachedSession):
+    def __init__(self, model, blocks: BlockTable, layer_caches, max_len: int):
+        super().__init__(model, layer_caches, max_len)
+        self.blocks = blocks
+
+    def fill_random(self, length: int, generator: torch.Generator) -> None:
+        """As a prefill of `length` tokens would: reserve their blocks, then fill exactly those blocks."""
+        if not 0 < length <= self.max_len:
+            raise ValueError(f"cannot fill {length} tokens into a cache of {self.max_len}")
+        self.blocks.reserve(length)
+        for cache in self.layer_caches:
+            cache.fill_random(length, generator)
+        self.length = length
+
+
+class PagedStrategy(Strategy):
+    name = "paged"
+    backends = BACKENDS
+
+    def __init__(self, backend: str = "auto", block_size: int = 16):
+        super().__init__(backend)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise StrategyOptionError("block_size", f"must be a positive integer (tokens per block), got {block_size!r}")
+        if backend == "flash_attn" and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+            raise StrategyOptionError(
+                "block_size", f"flash_attn's paged KV (FlashAttention 2) needs a multiple of "
+                f"{FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}; use backend=torch or auto for other sizes")
+        self.block_size = block_size
+
+    def options(self) -> dict:
+        return {"block_size": self.block_size}
+
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(block_size=self.block_size)
+
+    def _flash_attn_unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"flash_attn is a CUDA kernel; this point runs on {device.type}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash_attn runs in float16 and bfloat16; dtype is {str(dtype).removeprefix('torch.')}"
+        if self.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+            return f"flash_attn's paged KV needs block_size a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}, got {self.block_size}"
+        return flash_attn_unavailable("flash_attn", device)
+
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+        """`c`, `flash_attn` or `torch` for this device, dtype and model shape (None: any the kernels take)."""
+        super().resolve_backend(device, dtype, shape)
+        if self.backend == "torch":
+            return "torch"
+        c_reason = c_kernel_unavailable(device, dtype, shape) if self.backend in ("auto", "c") else None
+        if self.backend == "c":
+            if c_reason is not None:
+                raise StrategyUnavailable(c_reason)
+            return "c"
+        flash_reason = self._flash_attn_unavailable(device, dtype)
+        if self.backend == "flash_attn":
+            if flash_reason is not None:
+                raise StrategyUnavailable(flash_reason)
+            return "flash_attn"
+        if c_reason is None:
+            return "c"
+        return "flash_attn" if flash_reason is None else "torch"
+
+    def kernel(self, device, dtype, shape=None) -> str:
+        return KERNELS[self.resolve_backend(device, dtype, shape)]
+
+    def new_session(self, model, batch: int, max_len: int) -> PagedSession:
+        c = model.cfg
+        backend = self.resolve_backend(model.device, model.dtype, c)
+        blocks = BlockTable(batch, max_len, self.block_size, model.device)
+        caches = [PagedLayerCache(blocks, c.n_kv_heads, c.resolved_head_dim, model.device, model.dtype, backend)
+                  for _ in range(c.n_layers)]
+        return PagedSession(model, blocks, caches, max_len)

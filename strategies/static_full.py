@@ -1,0 +1,91 @@
+"""`static_full`: a preallocated table, attended over all max_len positions under a mask every step.
+
+The storage is `contiguous`'s: K and V per layer as [B, n_kv, max_len, D], zeroed up front and written
+in place. What differs is the read: instead of slicing the filled prefix, attention runs over every one
+of the max_len positions with a boolean mask that hides the unfilled ones (and, in the prompt, the
+future ones), as transformers' StaticCache does with SDPA: its shapes never change, which is what lets
+the step be compiled or captured once, and it pays by reading the whole table at every step however
+short the sequence is. Why it is measured: that price, against `contiguous`, at short contexts in long
+tables.
+
+Exact: a masked position's score is -inf, its softmax weight exactly 0, and the table is zeroed, so
+unfilled rows add nothing (a NaN there would: 0 * NaN is NaN). The mask is built once per forward pass
+and shared by the layers, as transformers builds its causal mask once per forward.
+
+One kernel: torch SDPA on the grouped queries (no K/V repeat, as strategies.attention), any device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harness.config import CacheLayout
+from strategies.base import CachedSession, Strategy
+from strategies.contiguous import ContiguousLayerCache
+
+KERNEL_NAME = "torch.sdpa(grouped q, no K/V repeat) over all max_len positions with a boolean mask"
+
+
+class FullLengthMask:
+    """The boolean mask [G*T, max_len] of one forward pass, built by its first layer, reused by the rest."""
+
+    def __init__(self, max_len: int, device):
+        self.key_positions = torch.arange(max_len, device=device)  # [max_len]
+        self.key = None  # (start_pos, seq_len, group) of the mask held
+        self.mask = None
+
+    def get(self, start_pos: int, seq_len: int, group: int) -> torch.Tensor:
+        if self.key != (start_pos, seq_len, group):
+            # Row (g, t) is the query at position start_pos + t: it sees keys 0 .. start_pos + t, which
+            # also hides every position not yet written.
+            query_pos = (torch.arange(seq_len, device=self.key_positions.device) + start_pos).repeat(group)  # [G*T]
+            self.mask = self.key_positions[None, :] <= query_pos[:, None]  # [G*T, max_len]
+            self.key = (start_pos, seq_len, group)
+        return self.mask
+
+
+class StaticFullLayerCache(ContiguousLayerCache):
+    def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype, mask: FullLengthMask):
+        super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
+        self.full_length_mask = mask
+
+    def attend(self, q, k, v, start_pos):
+        self.write(k, v, start_pos)
+        batch, seq_len, n_heads, head_dim = q.shape
+        n_kv = self.k.shape[1]
+        group = n_heads // n_kv
+        q_grouped = (
+            q.view(batch, seq_len, n_kv, group, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(batch, n_kv, group * seq_len, head_dim)
+        )  # [B, n_kv, G*T, D], rows ordered (g, t) as in grouped_attention
+        mask = self.full_length_mask.get(start_pos, seq_len, group)  # [G*T, max_len]
+        out = F.scaled_dot_product_attention(q_grouped, self.k, self.v, attn_mask=mask)  # [B, n_kv, G*T, D]
+        return (
+            out.view(batch, n_kv, group, seq_len, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(batch, seq_len, n_heads, head_dim)
+        )
+
+
+class StaticFullStrategy(Strategy):
+    name = "static_full"
+    backends = ("sdpa",)
+
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(reads_max_len=True)
+
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+        super().resolve_backend(device, dtype, shape)
+        return "sdpa"  # the only kernel, whether asked for by name or by auto
+
+    def kernel(self, device, dtype, shape=None) -> str:
+        self.resolve_backend(device, dtype, shape)
+        return KERNEL_NAME
+
+    def new_session(self, model, batch: int, max_len: int) -> CachedSession:
+        c = model.cfg
+        mask = FullLengthMask(max_len, model.device)
+        caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype, mask)
+                  for _ in range(c.n_layers)]
+        return CachedSession(model, caches, max_len)
