@@ -6,7 +6,8 @@ of the max_len positions with a boolean mask that hides the unfilled ones (and, 
 future ones), as transformers' StaticCache does with SDPA: its shapes never change, which is what lets
 the step be compiled or captured once, and it pays by reading the whole table at every step however
 short the sequence is. Why it is measured: that price, against `contiguous`, at short contexts in long
-tables.
+tables: `strategy.max_len` preallocates that many positions (transformers' max_cache_len) whatever the
+point's length, so `max_len=4 * (ctx + decode_tokens)` measures a table filled to a quarter.
 
 Exact: a masked position's score is -inf, its softmax weight exactly 0, and the table is zeroed, so
 unfilled rows add nothing (a NaN there would: 0 * NaN is NaN). The mask is built once per forward pass
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import CacheLayout
-from strategies.base import CachedSession, Strategy
+from strategies.base import CachedSession, Strategy, StrategyOptionError
 from strategies.contiguous import ContiguousLayerCache
 
 KERNEL_NAME = "torch.sdpa(grouped q, no K/V repeat) over all max_len positions with a boolean mask"
@@ -72,8 +73,22 @@ class StaticFullStrategy(Strategy):
     name = "static_full"
     backends = ("sdpa",)
 
+    def __init__(self, backend: str = "auto", max_len: int | None = None):
+        super().__init__(backend)
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+            raise StrategyOptionError("max_len", f"must be a positive integer or null, got {max_len!r}")
+        self.max_len = max_len  # positions preallocated per sequence; None: exactly the point's ctx + decode_tokens
+
+    def options(self) -> dict:
+        return {"max_len": self.max_len}
+
     def cache_layout(self) -> CacheLayout:
-        return CacheLayout(reads_max_len=True)
+        return CacheLayout(reads_max_len=True, preallocated_tokens=self.max_len or 0)
+
+    def check_point(self, prefill: str, shape, max_len: int) -> None:
+        super().check_point(prefill, shape, max_len)
+        if self.max_len is not None and self.max_len < max_len:
+            raise StrategyOptionError("max_len", f"{self.max_len} cannot hold the point's ctx + decode_tokens = {max_len}")
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         super().resolve_backend(device, dtype, shape)
@@ -85,6 +100,7 @@ class StaticFullStrategy(Strategy):
 
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
+        max_len = max(max_len, self.max_len or 0)  # the table StaticCache would allocate (max_cache_len)
         mask = FullLengthMask(max_len, model.device)
         caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype, mask)
                   for _ in range(c.n_layers)]

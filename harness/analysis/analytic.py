@@ -65,6 +65,16 @@ def kv_cache_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layout: La
     return cache_terms.cache_bytes(shape, dtype, batch, tokens, layout)
 
 
+def kv_cache_used_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layout: Layout = CONTIGUOUS) -> float:
+    """Cache bytes the tokens themselves need at the layout's stored width, without whole blocks or
+    preallocated positions: set against kv_cache_bytes, the allocation's overhead (paged fragmentation,
+    a static table's unfilled max_len)."""
+    if layout is None:
+        return 0
+    exact = dataclasses.replace(layout, block_size=1, preallocated_tokens=0)
+    return cache_terms.cache_bytes(shape, dtype, batch, tokens, exact)
+
+
 def decode_step_bytes(shape: Shape, dtype: str, batch: int, context: int, layout: Layout = CONTIGUOUS,
                       max_len: Optional[int] = None) -> dict:
     """Bytes one decode step must move, by part.
@@ -165,7 +175,7 @@ def generate_flops(shape: Shape, batch: int, prompt: int, steps: int, layout: La
     first, last = prompt + 1, prompt + steps  # keys seen (cached) / tokens run (no cache) by the steps
     keys_or_tokens = (first + last) * steps // 2  # sum over the steps of T
     if layout is not None and layout.reads_max_len:
-        per_sequence = steps * (layer_matmuls + head) + pair * steps * (prompt + steps)
+        per_sequence = steps * (layer_matmuls + head) + pair * steps * cache_terms.span(layout, prompt + steps)
     elif layout is not None:
         per_sequence = steps * (layer_matmuls + head) + pair * keys_or_tokens
     else:

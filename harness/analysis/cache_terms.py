@@ -57,8 +57,15 @@ def window_tokens(layout: CacheLayout, tokens: int) -> int:
     return tokens % layout.residual_tokens if layout.residual_tokens else 0
 
 
+def span(layout: CacheLayout, max_len: int) -> int:
+    """Positions preallocated per sequence: the layout's own, or the point's max_len."""
+    return max(layout.preallocated_tokens, max_len)
+
+
 def allocated_tokens(layout: CacheLayout, tokens: int) -> int:
-    """Token slots allocated for a sequence of `tokens`: rounded up to whole blocks (paged)."""
+    """Token slots allocated for a sequence of `tokens`: rounded up to whole blocks (paged), or the
+    layout's preallocated positions when it has more."""
+    tokens = max(tokens, layout.preallocated_tokens)
     blocks = -(-tokens // layout.block_size)
     return blocks * layout.block_size
 
@@ -79,7 +86,7 @@ def read_bytes(shape: Shape, dtype: str, batch: int, context: int, max_len: int,
     preallocated position with reads_max_len), the window's tokens at full width."""
     if layout is None:
         return 0
-    tokens = max_len if layout.reads_max_len else context
+    tokens = span(layout, max_len) if layout.reads_max_len else context
     window = window_tokens(layout, tokens)
     stored = (tokens - window) * stored_bytes_per_token(shape, dtype, layout)
     return batch * (stored + window * full_width_bytes_per_token(shape, dtype))
@@ -107,7 +114,7 @@ def attended_keys(context: int, max_len: int, layout: Optional[CacheLayout]) -> 
     """Keys one decode query is scored against: its context and itself, or every preallocated
     position (reads_max_len: the masked ones are computed, then discarded)."""
     if layout is not None and layout.reads_max_len:
-        return max_len
+        return span(layout, max_len)
     return context + 1
 
 

@@ -22,6 +22,7 @@ class CacheLayout:
     value_bits: int = 0  # bits per stored K or V element; 0: the compute dtype's width
     scale_bytes_per_token: float = 0.0  # quantization scales per token and KV head, K and V together, in bytes
     residual_tokens: int = 0  # most recent tokens per sequence kept at the compute dtype's width (quantized)
+    preallocated_tokens: int = 0  # positions allocated per sequence whatever its length; 0: exactly what the point needs
 
 
 CONTIGUOUS = CacheLayout()

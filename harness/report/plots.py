@@ -60,9 +60,12 @@ def _mean_step(group: Group, batch: int, ctx: int, layout) -> analytic.MeanStep:
     return analytic.mean_decode_step(group.shape, group.dtype, batch, ctx, group.decode_tokens, layout, group.roof)
 
 
-def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
-    """Decode step time against context, one panel per batch: points measured, lines the roofline."""
+def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) -> Optional[Path]:
+    """Decode step time against context, one panel per batch: points measured, lines the roofline.
+    cached_only: the caches alone (the layouts compared), without the recompute reference."""
     ok = group.ok.dropna(subset=["decode_step_s"])
+    if cached_only:
+        ok = cached_rows(ok)
     if ok.empty:
         return None
     batches = sorted(ok["batch"].unique())
@@ -70,7 +73,7 @@ def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
     grid = _context_grid(ok["ctx"])
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
-        for strategy in group.strategies():
+        for strategy in ordered_strategies(ok):
             mine = rows[rows["strategy"] == strategy].sort_values("ctx")
             if mine.empty:
                 continue
@@ -100,7 +103,7 @@ def step_time_vs_context(group: Group, folder: Path) -> Optional[Path]:
     fig.suptitle(f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n"
                  f"{group.title}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
-    return _save(fig, folder, f"step_time_{group.slug}.png")
+    return _save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{group.slug}.png")
 
 
 def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:

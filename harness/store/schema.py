@@ -32,6 +32,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("cache_value_bits", I, "bits", "bits per stored K/V element; 0: the compute dtype's", "point"),
     ("cache_scale_bytes_per_token", F, "B", "quantization scales per token and KV head, K and V together", "point"),
     ("cache_residual_tokens", I, "tokens", "recent tokens kept at full width (quantized caches)", "point"),
+    ("cache_preallocated_tokens", I, "tokens", "positions allocated per sequence whatever its length; 0: what the point needs", "point"),
     ("model", S, "", "model preset name (conf/model/)", "point"),
     ("vocab_size", I, "tokens", "vocabulary size", "point"),
     ("d_model", I, "", "residual width", "point"),

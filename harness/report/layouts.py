@@ -1,0 +1,66 @@
+"""The section "which layout wins where": at every point measured with several caches, the caches ranked
+by measured step time beside the bytes a step moves and the bytes each allocates against the bytes its
+tokens need, and one plot of step time against context per layout.
+
+Everything a layout is comes from the rows' capability and cache_* columns; no strategy is named here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from harness.analysis import analytic
+from harness.report import format as fmt
+from harness.report import plots
+from harness.report.document import Block, Figure, Heading, Paragraph, Table
+from harness.report.groups import Group, cached_rows
+
+HEADER = ["batch", "ctx", "rank", "strategy", "step measured", "× fastest", "step roofline", "bytes/step (model)",
+          "cache allocated", "cache its tokens need", "allocated ÷ needed"]
+
+
+def ranking_rows(group: Group) -> list[list[str]]:
+    """One line per cache at every (batch, ctx) of the group where two or more caches ran."""
+    body = []
+    cached = cached_rows(group.ok).dropna(subset=["decode_step_s"])
+    for (batch, ctx), rows in cached.groupby(["batch", "ctx"], sort=True):
+        if rows["strategy"].nunique() < 2:
+            continue
+        rows = rows.sort_values("decode_step_s")
+        fastest = float(rows["decode_step_s"].iloc[0])
+        for rank, (_, r) in enumerate(rows.iterrows(), start=1):
+            layout = group.layouts[r["strategy"]]
+            needed = analytic.kv_cache_used_bytes(group.shape, group.dtype, int(batch), int(ctx + r["decode_tokens"]),
+                                                  layout)
+            allocated = r["kv_cache_bytes"]
+            body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(r["strategy"]), fmt.seconds(r["decode_step_s"]),
+                         fmt.ratio(r["decode_step_s"] / fastest), fmt.seconds(r.get("analytic_decode_step_s")),
+                         fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
+                         fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])
+    return body
+
+
+def layout_section(groups: list[Group], folder: Path) -> list[Block]:
+    out: list[Block] = [Heading("Which layout wins where"), Paragraph(
+        "Per point, the caches ranked by measured step time. Bytes per step are the model's for each layout "
+        "(weights, the cache read, written and, for a cache grown by concatenation, copied; a table read "
+        "over its whole max_len counts every position). Cache allocated is what the run held at its end; "
+        "what its tokens need is batch × tokens at the layout's stored width: the ratio is a paged cache's "
+        "fragmentation (whole blocks), a static table's unfilled positions, a residual window's full width.")]
+    shown = False
+    for group in groups:
+        body = ranking_rows(group)
+        if not body:
+            continue
+        shown = True
+        out.append(Heading(group.title, 3))
+        out.append(Table(HEADER, body, [True, True, True, False] + [True] * 7))
+        path = plots.step_time_vs_context(group, folder, cached_only=True)
+        if path is not None:
+            out.append(Figure(path, "Step time against context per layout: dots measured (p10–p90), lines the "
+                                    "roofline of each layout's bytes and FLOPs."))
+    if not shown:
+        out.append(Paragraph("No point here ran two caches: sweep several, e.g. "
+                             "`python -m harness.run -m strategy=contiguous,paged,dynamic,static_full prefill=random`."))
+    return out
