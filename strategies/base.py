@@ -134,8 +134,9 @@ class Strategy(ABC):
         """The options besides `backend` this instance was built with (recorded in the point's key)."""
         return {}
 
-    def cache_layout(self) -> CacheLayout | None:
-        """How this strategy stores K/V, for the analytic model; None when it stores none."""
+    def cache_layout(self, shape: ModelConfig | None = None) -> CacheLayout | None:
+        """How this strategy stores K/V for `shape` (some layouts' scale bytes depend on head_dim), for
+        the analytic model; None when it stores none."""
         return CONTIGUOUS if self.caches_kv else None
 
     def check_point(self, prefill: str, shape: ModelConfig, max_len: int) -> None:

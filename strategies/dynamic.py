@@ -96,7 +96,7 @@ class DynamicStrategy(ContiguousStrategy):
     name = "dynamic"
     graph_capturable = False  # refused before anything runs with timing.cuda_graphs=true
 
-    def cache_layout(self) -> CacheLayout:
+    def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(copies_per_step=True)
 
     def new_session(self, model, batch: int, max_len: int) -> DynamicSession:

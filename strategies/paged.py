@@ -245,7 +245,7 @@ class PagedStrategy(Strategy):
     def options(self) -> dict:
         return {"block_size": self.block_size}
 
-    def cache_layout(self) -> CacheLayout:
+    def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(block_size=self.block_size)
 
     def _flash_attn_unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:

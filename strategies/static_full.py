@@ -82,7 +82,7 @@ class StaticFullStrategy(Strategy):
     def options(self) -> dict:
         return {"max_len": self.max_len}
 
-    def cache_layout(self) -> CacheLayout:
+    def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(reads_max_len=True, preallocated_tokens=self.max_len or 0)
 
     def check_point(self, prefill: str, shape, max_len: int) -> None:

@@ -350,12 +350,13 @@ def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, 
     max_len = ctx + decode_tokens
     step_bytes = decode_step_bytes(shape, dtype, batch, ctx, layout, max_len)["total"]
     step_flops = decode_step_flops(shape, batch, ctx, layout, max_len)
+    per_token = kv_bytes_per_token(shape, dtype, layout) if layout is not None else 0  # no cache: nothing per token
     return {
         "params": params(shape),
         "weight_bytes": weight_bytes(shape, dtype),
-        "kv_bytes_per_token": kv_bytes_per_token(shape, dtype, layout),
+        "kv_bytes_per_token": per_token,
         "kv_cache_bytes": kv_cache_bytes(shape, dtype, batch, max_len, layout),
-        "tokens_to_match_weights": tokens_to_match_weights(shape, dtype, layout),
+        "tokens_to_match_weights": weight_bytes(shape, dtype) / per_token if per_token else None,
         "flops_decode_step": step_flops,
         "flops_decode_step_no_cache": decode_step_flops(shape, batch, ctx, None),
         "flops_generate_cached": generate_flops(shape, batch, ctx, decode_tokens, layout),
@@ -369,7 +370,7 @@ def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, 
         "generate_s_no_cache": generate_time(shape, dtype, batch, ctx, decode_tokens, roof, None),
         "prefill_s": prefill_time(shape, dtype, batch, ctx, roof, layout),
         "prefill_bytes_per_token": prefill_bytes_per_token(shape, dtype, batch, ctx),
-        "decode_bytes_per_token": decode_bytes_per_token(shape, dtype, batch, ctx, layout),
+        "decode_bytes_per_token": step_bytes / batch,
         "ridge_flops_per_byte": roof.ridge,
         "decode_intensity_flops_per_byte": intensity(step_flops, step_bytes),
         "peak_flops": roof.flops_per_s,

@@ -136,13 +136,14 @@ def _fields(parent: str) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def cache_layout(strategy):
-    """The layout of the configured strategy (the class is imported by its `_target_`, as Hydra would)."""
+def cache_layout(strategy, shape):
+    """The layout of the configured strategy for `shape` (the class is imported by its `_target_`, as
+    Hydra would)."""
     from hydra.utils import get_class
 
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
-        return get_class(strategy["_target_"])(**options).cache_layout()
+        return get_class(strategy["_target_"])(**options).cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
     except Exception as error:  # a bad _target_: ImportError, AttributeError, TypeError for an unknown option
@@ -163,13 +164,15 @@ def workload(cfg) -> tuple[ModelConfig, analytic.Roof, str, object]:
         roof, source = resolve(hardware, cfg.dtype, cfg.results_dir, cfg.device)
     except HardwareError as error:
         raise UsageError(str(error)) from None
-    return shape, roof, source, cache_layout(OmegaConf.to_container(cfg.strategy, resolve=True))
+    return shape, roof, source, cache_layout(OmegaConf.to_container(cfg.strategy, resolve=True), shape)
 
 
 def _human(value: Any, unit: str) -> str:
     """A value for the table: integers with thousands separators, floats in 4 significant digits."""
     if isinstance(value, str):
         return value
+    if value is None:
+        return "– (no cache)"
     if isinstance(value, int):
         text = f"{value:,}"
     else:
@@ -207,7 +210,7 @@ def main(argv: list[str]) -> int:
         return 2
     figures = analytic.summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout)
     if cfg.format == "json":
-        inputs = {"model": shape.name, "strategy": cfg.strategy._target_, "hardware": cfg.hardware.name, "roof_source": source, "dtype": cfg.dtype,
+        inputs = {"model": shape.name, "strategy": cfg.strategy._target_.rsplit(".", 1)[-1], "hardware": cfg.hardware.name, "roof_source": source, "dtype": cfg.dtype,
                   "batch": cfg.batch, "ctx": cfg.ctx, "decode_tokens": cfg.decode_tokens}
         print(json.dumps({**inputs, **figures}, indent=2))
     else:

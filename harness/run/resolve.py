@@ -74,7 +74,7 @@ def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill
         backend = strategy.backend
     return StrategyChoice(name=cls.name, strategy_class=f"{cls.__module__}.{cls.__qualname__}", backend=backend,
                           caches_kv=cls.caches_kv, exact=cls.exact, strategy_options=strategy.options(),
-                          layout=strategy.cache_layout())
+                          layout=strategy.cache_layout(shape))
 
 
 def point_from_config(cfg) -> Point:

@@ -71,7 +71,7 @@ def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
     else:
         session.prefill(prompt)
     token = prompt[:, -1]  # [B]
-    layout = chosen.cache_layout()
+    layout = chosen.cache_layout(point.shape)
     step_bytes = analytic.decode_step_bytes(point.shape, DTYPE_NAME, point.batch, point.ctx, layout, point.ctx + 1)
     benchmark.extra_info.update(
         role="decode", point=point.name, strategy=strategy, caches_kv=chosen.caches_kv, model=point.shape.name, batch=point.batch, ctx=point.ctx,

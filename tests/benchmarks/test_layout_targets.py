@@ -1,0 +1,133 @@
+"""What each cache layout costs a decode step, against the contiguous cache and against the model, at a
+cache-dominated point (the heavy point: the cache is ~8x the weights a step reads), measured in one run.
+
+Every layout's step is timed in interleaved rounds (one step of each in turn, the order rotating), so
+a burst of noise on the shared machine lands on all of them alike and their ratios hold. Targets:
+- paged: step time <= 1.10x contiguous at block_size 16, within 5% at 64;
+- dynamic: its step minus contiguous's within 25% of what the model says the per-step copy costs
+  (cache_copy bytes at the copy bandwidth measured here on tables of the point's size, read + write);
+- static_full: within 25% of its roofline time (at the memory control's bandwidth) with the table
+  filled to 1.0 and to 0.25 of max_len.
+Run: `python -m pytest -m benchmark tests/benchmarks/test_layout_targets.py -s` (prints the table).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from harness.analysis import analytic
+from strategies.contiguous import ContiguousStrategy
+from strategies.dynamic import DynamicStrategy
+from strategies.paged import PagedStrategy
+from strategies.static_full import StaticFullStrategy
+from tests.benchmarks.conftest import DTYPE, POINTS, SEED, cpu_seconds, others_fraction
+
+pytestmark = pytest.mark.benchmark
+DTYPE_NAME = str(DTYPE).removeprefix("torch.")
+POINT = POINTS["heavy"]
+ROUNDS = 15
+
+
+def layouts() -> dict:
+    max_len = POINT.ctx + 1
+    return {
+        "contiguous": ContiguousStrategy(),
+        "paged16": PagedStrategy(block_size=16),
+        "paged64": PagedStrategy(block_size=64),
+        "dynamic": DynamicStrategy(),
+        "static_full@1.0": StaticFullStrategy(max_len=max_len),
+        "static_full@0.25": StaticFullStrategy(max_len=4 * max_len),
+    }
+
+
+class CopyKernel:
+    """The copy bandwidth at the size a growing cache copies: torch.cat of one layer's K (or V) table
+    [B, n_kv, ctx, D] with one new position, over 2 x n_layers distinct tables (so no source is still
+    in cache from the previous call), as the dynamic cache's step does, without its attention."""
+
+    def __init__(self):
+        shape = POINT.shape
+        table = (POINT.batch, shape.n_kv_heads, POINT.ctx, shape.resolved_head_dim)
+        self.tables = [torch.ones(table, dtype=DTYPE) for _ in range(2 * shape.n_layers)]  # [B, n_kv, ctx, D] each
+        self.new = torch.ones(*table[:2], 1, table[3], dtype=DTYPE)  # [B, n_kv, 1, D]
+        self.bytes_moved = sum(2 * t.nbytes + self.new.nbytes for t in self.tables)  # read old + new, write both
+
+    def __call__(self):
+        for table in self.tables:
+            torch.cat((table, self.new), dim=2)
+
+
+@pytest.fixture(scope="module")
+def measured(model_for, controls):
+    model = model_for(POINT.shape, POINT.batch)
+    sessions, token = {}, None
+    for name, strategy in layouts().items():
+        if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is None:
+            continue
+        session = strategy.new_session(model, POINT.batch, POINT.ctx + 1)
+        generator = torch.Generator().manual_seed(SEED)
+        session.fill_random(POINT.ctx, generator)
+        token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
+        sessions[name] = (strategy, session)
+    copy, memory = CopyKernel(), controls["memory"]
+    kernels = {name: (lambda s=session: (s.step(token), s.rewind(POINT.ctx))) for name, (_, session) in sessions.items()}
+    kernels["copy"], kernels["memory_control"] = copy, memory
+    times = {name: [] for name in kernels}
+    for kernel in kernels.values():  # warm-up: allocator, caches, lazy init
+        kernel()
+    start = cpu_seconds()
+    names = list(kernels)
+    for round_ in range(ROUNDS):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            begin = time.perf_counter()
+            kernels[name]()
+            times[name].append(time.perf_counter() - begin)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    bandwidth = memory.nbytes / medians["memory_control"]
+    return {"medians": medians, "copy_Bps": copy.bytes_moved / medians["copy"], "bandwidth_Bps": bandwidth,
+            "strategies": {name: strategy for name, (strategy, _) in sessions.items()},
+            "contention": others_fraction(start, cpu_seconds())}
+
+
+def step_bytes(strategy) -> dict:
+    layout = strategy.cache_layout(POINT.shape)
+    return analytic.decode_step_bytes(POINT.shape, DTYPE_NAME, POINT.batch, POINT.ctx, layout, POINT.ctx + 1)
+
+
+def test_the_point_is_cache_dominated():
+    bytes_ = step_bytes(ContiguousStrategy())
+    assert bytes_["cache_read"] >= 3 * bytes_["weights"]
+
+
+def test_report_every_layout(measured):
+    m = measured["medians"]
+    print(f"\nheavy point: B={POINT.batch} ctx={POINT.ctx}; memory control {measured['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+          f"copy {measured['copy_Bps'] / 1e9:.1f} GB/s (read + write); others took {measured['contention']:.0%} of the CPUs")
+    for name, strategy in measured["strategies"].items():
+        total = step_bytes(strategy)["total"]
+        print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous  "
+              f"{total / 1e6:8.1f} MB/step  {total / m[name] / 1e9:5.1f} GB/s")
+
+
+@pytest.mark.parametrize("name,limit", [("paged16", 1.10), ("paged64", 1.05)])
+def test_paged_costs_little_over_contiguous(measured, name, limit):
+    ratio = measured["medians"][name] / measured["medians"]["contiguous"]
+    assert ratio <= limit, f"{name}: {ratio:.3f}x contiguous (limit {limit}x)"
+
+
+def test_dynamic_pays_what_the_model_says_the_copy_costs(measured):
+    m = measured["medians"]
+    extra = m["dynamic"] - m["contiguous"]
+    predicted = step_bytes(DynamicStrategy())["cache_copy"] / measured["copy_Bps"]
+    assert abs(extra - predicted) <= 0.25 * predicted, f"dynamic - contiguous {extra * 1e3:.2f} ms, copy model {predicted * 1e3:.2f} ms"
+
+
+@pytest.mark.parametrize("name", ["static_full@1.0", "static_full@0.25"])
+def test_static_full_runs_near_its_roofline(measured, name):
+    strategy = measured["strategies"][name]
+    roofline = step_bytes(strategy)["total"] / measured["bandwidth_Bps"]
+    ratio = measured["medians"][name] / roofline
+    assert ratio <= 1.25, f"{name}: {ratio:.2f}x its roofline time ({roofline * 1e3:.2f} ms)"
