@@ -10,6 +10,7 @@ import hashlib
 import torch
 
 from harness.config import Point
+from harness.measure.accuracy import not_measured, teacher_forced
 from harness.measure.device import device_name
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
@@ -42,6 +43,18 @@ def start_decode(point: Point, session, generator: torch.Generator, timer: StepT
         return session.prefill(prompt).argmax(-1), None
     logits, seconds = timer.time(lambda: session.prefill(prompt))
     return logits.argmax(-1), seconds
+
+
+def accuracy(point: Point, strategy, model) -> dict:
+    """The accuracy columns: measured for a strategy that is not exact and computed its prompt; null
+    with the reason otherwise."""
+    if point.strategy.exact:
+        return not_measured("exact strategy: its tokens equal the reference's (tokens_digest)")
+    if point.prefill != "compute":
+        return not_measured("prefill=random: no prompt to run the exact reference on")
+    generator = torch.Generator(device=model.device).manual_seed(point.seed)  # the timed run's prompt
+    prompt = torch.randint(point.model.vocab_size, (point.batch, point.ctx), generator=generator, device=model.device)
+    return teacher_forced(strategy, model, prompt, point.decode_tokens)
 
 
 def measure_point(point: Point) -> dict:
@@ -93,7 +106,9 @@ def measure_point(point: Point) -> dict:
         generated.append(token)
         step_seconds.append(seconds)
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
-
+    memory = peak.read()  # before the accuracy pass below: the point's peak is the timed session's
+    cache_bytes = session.kv_cache_bytes
+    del session
     stats = StepStats.of(step_seconds)
     return {
         "status": "ok",
@@ -101,7 +116,6 @@ def measure_point(point: Point) -> dict:
         "kernel": kernel,
         "matmul_kernel": MATMUL_KERNELS[point.matmul],
         **common,
-        "threads": torch.get_num_threads(),
         "prefill_s": prefill_s,
         "decode_step_s": stats.p50,
         "decode_step_p10_s": stats.p10,
@@ -110,8 +124,9 @@ def measure_point(point: Point) -> dict:
         "warmup_steps": warmup_steps,
         "timing_method": timer.method + (", CUDA graph replay" if t.cuda_graphs else ""),
         "tokens_per_s": point.batch / stats.p50,
-        "kv_cache_bytes": session.kv_cache_bytes,
-        **peak.read(),
+        "kv_cache_bytes": cache_bytes,
+        **memory,
+        **accuracy(point, strategy, model),
         "tokens_digest": tokens_digest(tokens),
         "tokens": tokens.cpu().tolist(),  # for tests and callers; not stored in the row
     }

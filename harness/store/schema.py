@@ -82,8 +82,13 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("bytes_per_step_measured", F, "B", "DRAM bytes read + written per step from a hardware counter; null where none exists", "measured"),
     ("traffic_source", S, "", "what filled bytes_per_step_measured: model (nothing measured) or ncu", "measured"),
     ("ncu_kernels", I, "", "kernel launches ncu profiled over the timed steps; null without ncu", "measured"),
-    # proof of exactness
+    # proof of exactness, or how far an approximate cache moves the outputs (harness.measure.accuracy)
     ("tokens_digest", S, "", "hash of the generated token ids; equal across strategies means identical outputs", "measured"),
+    ("top1_agreement", F, "", "approximate strategies: share of teacher-forced steps whose argmax matches the exact reference's", "measured"),
+    ("logit_max_abs_error", F, "", "approximate strategies: largest |reference - strategy| logit over the teacher-forced steps", "measured"),
+    ("logit_kl_mean", F, "nats", "approximate strategies: mean KL(reference || strategy) of the softmaxes over the steps", "measured"),
+    ("accuracy_steps", I, "steps", "teacher-forced decode steps behind the accuracy columns", "measured"),
+    ("accuracy_reference", S, "", "what the accuracy columns were measured against, or why they are null", "measured"),
     # the analytic model at this point
     ("weight_bytes", I, "B", "bytes of all weights", "model"),
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
