@@ -14,6 +14,7 @@ several folders (rows of several hosts or devices) and reads them as one table.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +203,25 @@ def add_analytic_columns(rows: pd.DataFrame, results_dir, fallback: str = DEFAUL
     return joined
 
 
+SERIES = "series"  # the column naming a strategy with the options that tell its rows apart
+
+
+def add_series(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows with a `series` column: the strategy's name, followed by the options that differ among the
+    rows of that strategy, e.g. `quantized[format=int4]` beside `quantized[format=int8]`, and plain
+    `paged` when every paged row has the same block size. Plots and tables draw one line per series."""
+    if "strategy" not in rows or rows.empty:
+        return rows.assign(**{SERIES: rows.get("strategy")})
+    options = rows.get("strategy_options", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
+    labels = rows["strategy"].astype(str).copy()
+    for name, mine in options.groupby(rows["strategy"]):
+        keys = sorted({key for option in mine for key in option})
+        varying = [k for k in keys if len({json.dumps(option.get(k)) for option in mine}) > 1]
+        if varying:
+            labels[mine.index] = [f"{name}[{','.join(f'{k}={option.get(k)}' for k in varying)}]" for option in mine]
+    return rows.assign(**{SERIES: labels})
+
+
 def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE) -> pd.DataFrame:
     """Every row of one folder, or of several (a list: rows of several hosts and devices), with the
     analytic columns joined.
@@ -215,7 +235,7 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE) -> pd.
         frames.append(rows.assign(source_dir=str(folder)))
         skipped += not_rows
         problems += [(str(p), why) for p, why in calibration.read_all(folder)[1]]
-    rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    rows = add_series(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0])
     table = add_analytic_columns(rows, folders[0], fallback_hardware) if len(rows) else rows
     table.attrs["skipped_files"] = skipped
     table.attrs["calibration_problems"] = problems

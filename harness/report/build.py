@@ -11,6 +11,7 @@ from harness.analysis.hardware import available_hardware
 from harness.report import plots, tables
 from harness.report.document import Block, Figure, Heading, Paragraph, to_markdown
 from harness.report.groups import Group, groups_of
+from harness.report.formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
 from harness.report.questions import answers
@@ -118,6 +119,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
         "batch × (ctx + decode_tokens) × kv_bytes_per_token."),
         tables.rows_table(table)]
     blocks += layout_section(groups, folder)
+    blocks += format_section(groups, folder)
     blocks += answers(table, groups, sets_by_group)
     return blocks + _not_measured(table)
 

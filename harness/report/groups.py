@@ -11,7 +11,7 @@ import pandas as pd
 
 from harness.analysis.analytic import Roof
 from harness.config import ModelConfig
-from harness.analysis.results import layout_of, shape_of
+from harness.analysis.results import SERIES, layout_of, shape_of
 
 # The linear-layer kernel is a measurement condition like the dtype: aten and oneDNN rows of the same
 # point differ by 2-7x on a CPU, so they are never drawn as one strategy's points.
@@ -83,13 +83,13 @@ def plain_cache_strategy(rows: pd.DataFrame) -> str | None:
         if column in plain:
             plain = plain[plain[column].fillna(plain_value) == plain_value]
     pool = plain if not plain.empty else (exact if not exact.empty else cached)
-    return sorted(pool["strategy"].unique())[0]
+    return sorted(pool[SERIES].unique())[0]
 
 
 def ordered_strategies(rows: pd.DataFrame) -> list[str]:
     """Strategy names of the rows: the references first, then the caches, each by name."""
-    references = set(reference_rows(rows)["strategy"])
-    return sorted(rows["strategy"].unique(), key=lambda s: (s not in references, s))
+    references = set(reference_rows(rows)[SERIES])
+    return sorted(rows[SERIES].unique(), key=lambda s: (s not in references, s))
 
 
 def groups_of(table: pd.DataFrame) -> list[Group]:
@@ -112,7 +112,7 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
             rows=rows, ok=ok,
-            layouts={name: layout_of(mine.iloc[0]) for name, mine in rows.groupby("strategy")},
+            layouts={name: layout_of(mine.iloc[0]) for name, mine in rows.groupby(SERIES)},
         ))
     return sorted(found, key=lambda g: -len(g.ok))
 

@@ -14,7 +14,7 @@ from harness.analysis import analytic
 from harness.report import format as fmt
 from harness.report import plots
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows
+from harness.report.groups import Group, cached_rows, SERIES
 
 HEADER = ["batch", "ctx", "rank", "strategy", "step measured", "× fastest", "step roofline", "bytes/step (model)",
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
@@ -25,16 +25,16 @@ def ranking_rows(group: Group) -> list[list[str]]:
     body = []
     cached = cached_rows(group.ok).dropna(subset=["decode_step_s"])
     for (batch, ctx), rows in cached.groupby(["batch", "ctx"], sort=True):
-        if rows["strategy"].nunique() < 2:
+        if rows[SERIES].nunique() < 2:
             continue
         rows = rows.sort_values("decode_step_s")
         fastest = float(rows["decode_step_s"].iloc[0])
         for rank, (_, r) in enumerate(rows.iterrows(), start=1):
-            layout = group.layouts[r["strategy"]]
+            layout = group.layouts[r[SERIES]]
             needed = analytic.kv_cache_used_bytes(group.shape, group.dtype, int(batch), int(ctx + r["decode_tokens"]),
                                                   layout)
             allocated = r["kv_cache_bytes"]
-            body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(r["strategy"]), fmt.seconds(r["decode_step_s"]),
+            body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(r[SERIES]), fmt.seconds(r["decode_step_s"]),
                          fmt.ratio(r["decode_step_s"] / fastest), fmt.seconds(r.get("analytic_decode_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])

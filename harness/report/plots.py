@@ -17,7 +17,7 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 from harness.analysis import analytic  # noqa: E402
-from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows  # noqa: E402
+from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows, SERIES  # noqa: E402
 
 REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
 STRATEGY_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
@@ -28,9 +28,9 @@ DPI = 110
 
 def _colour(group: Group, strategy: str) -> str:
     """One colour per strategy within a group, the same in every plot of it."""
-    if strategy in set(reference_rows(group.rows)["strategy"]):
+    if strategy in set(reference_rows(group.rows)[SERIES]):
         return REFERENCE_COLOUR
-    cached = [s for s in ordered_strategies(group.rows) if s in set(cached_rows(group.rows)["strategy"])]
+    cached = [s for s in ordered_strategies(group.rows) if s in set(cached_rows(group.rows)[SERIES])]
     return STRATEGY_COLOURS[cached.index(strategy) % len(STRATEGY_COLOURS)] if strategy in cached else "#7f7f7f"
 
 
@@ -74,7 +74,7 @@ def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) 
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
         for strategy in ordered_strategies(ok):
-            mine = rows[rows["strategy"] == strategy].sort_values("ctx")
+            mine = rows[rows[SERIES] == strategy].sort_values("ctx")
             if mine.empty:
                 continue
             line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
@@ -131,7 +131,7 @@ def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
     _context_axis(ax, ok["ctx"])
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens before the first decode step)")
-    reference = ", ".join(sorted(reference_rows(ok)["strategy"].unique()))
+    reference = ", ".join(sorted(reference_rows(ok)[SERIES].unique()))
     ax.set_ylabel(f"{reference} ÷ cache, per decode step")
     ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline of {cached_name}, "
                  f"markers: measured per cache)\n{group.title}", fontsize=10)
@@ -145,7 +145,7 @@ def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
     """(ctx, reference step time / cached step time) where both ran at this batch."""
     rows = ok[ok["batch"] == batch]
     slow = reference_rows(rows).groupby("ctx")["decode_step_s"].median()
-    fast = rows[rows["strategy"] == cached_name].groupby("ctx")["decode_step_s"].median()
+    fast = rows[rows[SERIES] == cached_name].groupby("ctx")["decode_step_s"].median()
     both = slow.index.intersection(fast.index)
     return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
 
@@ -166,8 +166,8 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
     ax.axvline(crossover, color="#d62728", ls=":", lw=1.4)
     ax.annotate(f"cache = weights at\n{crossover:,.0f} tokens", (crossover, weights), xytext=(8, -40),
                 textcoords="offset points", color="#d62728", fontsize=9)
-    for strategy in sorted(cached["strategy"].unique()):
-        mine = cached[cached["strategy"] == strategy]
+    for strategy in sorted(cached[SERIES].unique()):
+        mine = cached[cached[SERIES] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
                 color=_colour(group, strategy), ms=6, label=f"{strategy}: allocated, measured")
     ax.set_xscale("log")
@@ -194,7 +194,7 @@ def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
         left.plot(grid, decode, "-", color=colour, lw=1.6, label=f"decode, batch {batch}")
         left.plot(grid, prefill, "--", color=colour, lw=1.6, label=f"prefill, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(ok)):  # one marker per cache, one colour per batch
-            mine = ok[(ok["batch"] == batch) & (ok["strategy"] == strategy)].sort_values("ctx")
+            mine = ok[(ok["batch"] == batch) & (ok[SERIES] == strategy)].sort_values("ctx")
             if mine.empty:
                 continue
             marker = MARKERS[j % len(MARKERS)]
@@ -255,7 +255,7 @@ def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]
         ax.set_xlabel("batch × ctx")
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.25)
-    strategy = sets[0][1]["strategy"].iloc[0]
+    strategy = sets[0][1][SERIES].iloc[0]
     fig.suptitle(f"Many short sequences against few long ones ({strategy})\n{group.title}", fontsize=10)
     fig.tight_layout()
     return _save(fig, folder, f"equal_batch_tokens_{group.slug}.png")

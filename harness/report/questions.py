@@ -22,7 +22,7 @@ from harness.config import ModelConfig, model_config_from
 from harness.analysis.hardware import load_hardware
 from harness.report import format as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows
+from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows, SERIES
 from harness.report.plots import measured_ratio
 
 MODEL_DIR = config_dir() / "model"
@@ -72,7 +72,7 @@ def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
     reference = references[keys + ["tokens_digest"]].drop_duplicates(keys)
     lines = []
     for strategy in ordered_strategies(cached_rows(ok)):
-        mine = ok[ok["strategy"] == strategy]
+        mine = ok[ok[SERIES] == strategy]
         exact = bool(mine["exact"].fillna(False).astype(bool).all())
         both = mine[keys + ["tokens_digest"]].drop_duplicates(keys).merge(reference, on=keys, suffixes=("", "_ref"))
         if both.empty:
@@ -105,7 +105,7 @@ def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
     measured = []
     for g in groups:
         cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
-        cached = cached[(cached["kv_cache_bytes"] > 0) & (cached["strategy"] == g.plain_cache())]
+        cached = cached[(cached["kv_cache_bytes"] > 0) & (cached[SERIES] == g.plain_cache())]
         if cached.empty:
             continue
         per_token = cached["kv_cache_bytes"] / (cached["batch"] * (cached["ctx"] + cached["decode_tokens"]))
@@ -139,7 +139,7 @@ def growth(ref: Reference, groups: list[Group]) -> list[Block]:
     for g in groups:
         for strategy in g.strategies():
             for batch in sorted(g.ok["batch"].unique()):
-                rows = g.ok[(g.ok["strategy"] == strategy) & (g.ok["batch"] == batch)].dropna(subset=["decode_step_s"])
+                rows = g.ok[(g.ok[SERIES] == strategy) & (g.ok["batch"] == batch)].dropna(subset=["decode_step_s"])
                 if rows["ctx"].nunique() < 2:
                     continue
                 slope = np.polyfit(np.log(rows["ctx"].astype(float)), np.log(rows["decode_step_s"].astype(float)), 1)[0]

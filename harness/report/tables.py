@@ -7,9 +7,9 @@ import pandas as pd
 
 from harness.report import format as fmt
 from harness.report.document import Table
-from harness.report.groups import cached_rows, plain_cache_strategy
+from harness.report.groups import cached_rows, plain_cache_strategy, SERIES
 
-ROW_ORDER = ["model", "device", "dtype", "strategy", "batch", "ctx"]
+ROW_ORDER = ["model", "device", "dtype", SERIES, "batch", "ctx"]
 
 
 def _get(row, key):
@@ -31,7 +31,7 @@ def rows_table(table: pd.DataFrame) -> Table:
         else:
             bytes_cell = f"{fmt.nbytes(measured_bytes)} ({_get(row, 'traffic_source') or 'measured'})"
         body.append([
-            str(row["strategy"]), str(row["model"]), str(row["dtype"]), str(row["device"]),
+            str(row[SERIES]), str(row["model"]), str(row["dtype"]), str(row["device"]),
             fmt.count(row["batch"]), fmt.count(row["ctx"]), str(row["status"]),
             fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "analytic_decode_step_s")),
             fmt.ratio(_get(row, "ratio_decode_step_s")),
@@ -66,7 +66,7 @@ def roofs_table(table: pd.DataFrame) -> Table:
 def not_measured_table(table: pd.DataFrame) -> Table:
     """Skipped and failed rows with their reasons."""
     rows = table[table["status"] != "ok"].sort_values(ROW_ORDER) if "status" in table else table
-    body = [[str(r["status"]), str(r["strategy"]), str(r["model"]), str(r["dtype"]), str(r["device"]),
+    body = [[str(r["status"]), str(r[SERIES]), str(r["model"]), str(r["dtype"]), str(r["device"]),
              fmt.count(r["batch"]), fmt.count(r["ctx"]), str(_get(r, "reason") or "(no reason recorded)")]
             for _, r in rows.iterrows()]
     return Table(["status", "strategy", "model", "dtype", "device", "batch", "ctx", "reason"], body,
@@ -82,8 +82,8 @@ def equal_product_sets(ok: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
     product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
     cached = cached_rows(ok).dropna(subset=["decode_step_s"])
     plain = plain_cache_strategy(cached)
-    for strategy in [plain, *sorted(set(cached["strategy"]) - {plain})] if plain else []:
-        rows = cached[cached["strategy"] == strategy].copy()
+    for strategy in [plain, *sorted(set(cached[SERIES]) - {plain})] if plain else []:
+        rows = cached[cached[SERIES] == strategy].copy()
         rows["product"] = rows["batch"] * rows["ctx"]
         sets = [(int(p), g.sort_values("batch", ascending=False))
                 for p, g in rows.groupby("product") if g["batch"].nunique() >= 2]

@@ -1,0 +1,107 @@
+"""The section "what fewer bytes buy": for each cache that stores fewer bits per value (a quantized
+format, read from the rows' cache_value_bits), its bytes per token, its step-time speedup over the
+plain exact cache at the same points (measured and predicted), and how far it moved the outputs
+(the accuracy columns, measured against an exact reference); one plot of speedup against accuracy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from harness.analysis import analytic  # noqa: E402
+from harness.analysis.results import SERIES  # noqa: E402
+from harness.report import format as fmt  # noqa: E402
+from harness.report.document import Block, Figure, Heading, Paragraph, Table  # noqa: E402
+from harness.report.groups import Group, cached_rows  # noqa: E402
+from harness.report.plots import DPI, MARKERS  # noqa: E402
+
+HEADER = ["series", "batch", "ctx", "bytes/token", "× plain cache bytes", "speedup measured", "speedup predicted",
+          "top-1 agreement", "KL mean (nats)", "max |Δlogit|"]
+
+
+def narrow_rows(group: Group) -> pd.DataFrame:
+    """Ok rows of caches stored below the compute dtype's width."""
+    cached = cached_rows(group.ok).dropna(subset=["decode_step_s"])
+    return cached[cached["cache_value_bits"].fillna(0) > 0] if "cache_value_bits" in cached else cached.iloc[0:0]
+
+
+def comparisons(group: Group) -> list[dict]:
+    """One dict per narrow row that has a plain-cache row at the same batch and ctx."""
+    plain_name = group.plain_cache()
+    if plain_name is None:
+        return []
+    plain = group.ok[group.ok[SERIES] == plain_name].set_index(["batch", "ctx"])
+    plain_per_token = analytic.kv_bytes_per_token(group.shape, group.dtype, group.layouts[plain_name])
+    found = []
+    for _, row in narrow_rows(group).iterrows():
+        key = (row["batch"], row["ctx"])
+        if key not in plain.index:
+            continue
+        reference = plain.loc[key]
+        reference = reference.iloc[0] if isinstance(reference, pd.DataFrame) else reference
+        per_token = analytic.kv_bytes_per_token(group.shape, group.dtype, group.layouts[row[SERIES]])
+        found.append({
+            "series": row[SERIES], "batch": int(row["batch"]), "ctx": int(row["ctx"]),
+            "bytes_per_token": per_token, "bytes_ratio": per_token / plain_per_token,
+            "measured": reference["decode_step_s"] / row["decode_step_s"],
+            "predicted": reference["analytic_decode_step_s"] / row["analytic_decode_step_s"],
+            "top1": row.get("top1_agreement"), "kl": row.get("logit_kl_mean"), "max_abs": row.get("logit_max_abs_error"),
+        })
+    return found
+
+
+def speedup_against_accuracy(group: Group, found: list[dict], folder: Path) -> Path | None:
+    measured = [f for f in found if not pd.isna(f["kl"])]
+    if not measured:
+        return None
+    fig, ax = plt.subplots(figsize=(8.0, 4.8))
+    for i, series in enumerate(sorted({f["series"] for f in measured})):
+        mine = [f for f in measured if f["series"] == series]
+        ax.plot([f["measured"] for f in mine], [max(f["kl"], 1e-12) for f in mine], MARKERS[i % len(MARKERS)],
+                ms=8, label=series)
+    ax.axvline(1.0, color="#999", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step speedup over the plain exact cache (measured)")
+    ax.set_ylabel("mean KL(reference || cache), nats")
+    ax.set_title(f"What fewer bytes buy, and what they cost\n{group.title}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(folder) / f"speedup_vs_accuracy_{group.slug}.png"
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def format_section(groups: list[Group], folder: Path) -> list[Block]:
+    out: list[Block] = [Heading("What fewer bytes buy"), Paragraph(
+        "Caches that store K/V below the compute dtype's width, at every point where the plain exact cache "
+        "also ran: bytes per token (payload, scales and the full-width window, analytic), the step-time "
+        "speedup over the plain cache, measured and predicted (the roofline's, from each layout's bytes), "
+        "and how far the outputs moved: top-1 agreement, mean KL and the largest logit error over teacher-"
+        "forced steps against the exact reference (null with prefill=random, which runs no prompt).")]
+    shown = False
+    for group in groups:
+        found = comparisons(group)
+        if not found:
+            continue
+        shown = True
+        body = [[f["series"], fmt.count(f["batch"]), fmt.count(f["ctx"]), fmt.nbytes(f["bytes_per_token"]),
+                 fmt.ratio(f["bytes_ratio"]), fmt.ratio(f["measured"]), fmt.ratio(f["predicted"]),
+                 "–" if pd.isna(f["top1"]) else f"{f['top1']:.3f}", "–" if pd.isna(f["kl"]) else f"{f['kl']:.3g}",
+                 "–" if pd.isna(f["max_abs"]) else f"{f['max_abs']:.3g}"] for f in found]
+        out += [Heading(group.title, 3), Table(HEADER, body, [False] + [True] * 9)]
+        path = speedup_against_accuracy(group, found, folder)
+        if path is not None:
+            out.append(Figure(path, "Each point: a quantized cache at one batch × ctx. Right is faster than the exact "
+                                    "cache; down is closer to its outputs."))
+    if not shown:
+        out.append(Paragraph("No quantized cache ran beside the plain cache here, e.g. "
+                             "`python -m harness.run -m strategy=quantized strategy.format=int8,int4,fp8_e4m3` and "
+                             "`strategy=contiguous` at the same batch and ctx."))
+    return out
