@@ -69,3 +69,19 @@ def test_strategy_name_matches_its_option():
     """Rows name a strategy by its class; the option's file name must be that name."""
     for option in GROUPS["strategy"]:
         assert get_class(compose_with("strategy", option).strategy._target_).name == option
+
+
+@pytest.mark.parametrize("option", GROUPS["strategy"])
+def test_a_strategy_yaml_states_the_defaults_its_class_has(option):
+    """A strategy's options appear in its YAML (so the command line can set them) and in its class's
+    signature (so code can build it): the two must say the same, or a run and a test would differ."""
+    import inspect
+
+    import yaml
+
+    stated = yaml.safe_load((Path(CONFIG_DIR) / "strategy" / f"{option}.yaml").read_text())
+    cls = get_class(stated.pop("_target_"))
+    signature = inspect.signature(cls.__init__).parameters
+    assert set(stated) == set(signature) - {"self"}, "every option in the YAML, none missing"
+    for name, value in stated.items():
+        assert signature[name].default == value, f"{option}.{name}: YAML {value!r}, class {signature[name].default!r}"
