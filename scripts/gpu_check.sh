@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issues 2 and 4): every strategy in bf16 on CUDA at `tiny` and the 8B width, then the rows.
+# GPU check: every strategy in bf16 on CUDA at `tiny` and the 8B width, then the rows.
 # Prepared for a lent GPU machine; not yet run (no GPU was lent to the sessions so far).
 # On the lent H200 (torch present, no hydra-core): carry hydra-core, omegaconf and
 # antlr4-python3-runtime as wheels in .whl/ (see the device tool's README) and install them first:
@@ -11,17 +11,17 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 common=(device=cuda dtype=bfloat16 traffic=model results_dir="$out")
-timeout 120 python3 -m harness.run -m "${common[@]}" model=tiny strategy=no_cache,contiguous,flash \
+timeout 120 python3 -m harness.run -m "${common[@]}" model=tiny strategy=no_cache,contiguous,flash,paged,dynamic,static_full,quantized \
   batch=1,16 ctx=128,1024 decode_tokens=16
 timeout 300 python3 -m harness.run -m "${common[@]}" model=llama3_8b model.n_layers=8 \
-  strategy=no_cache,contiguous,flash batch=1,16 ctx=1024,8192 decode_tokens=16 || true
+  strategy=no_cache,contiguous,flash,paged,dynamic,static_full,quantized strategy.backend=auto batch=1,16 ctx=1024,8192 decode_tokens=16 || true
 # The same cached points with each step replayed from a CUDA graph (timing.cuda_graphs=true): the
 # launch overhead eager steps pay shows as the gap to the rows above (tiny: most of the step).
 for shape in "model=tiny" "model=llama3_8b model.n_layers=8"; do
   timeout 90 python3 -m harness.run -m "${common[@]}" $shape strategy=contiguous,flash batch=1,16 ctx=1024 \
     decode_tokens=16 timing.cuda_graphs=true || true
 done
-# Measured traffic on two points (ncu re-runs their decode steps; issue 4).
+# Measured traffic on two points (ncu re-runs their decode steps).
 timeout 180 python3 -m harness.run -m device=cuda dtype=bfloat16 traffic=ncu results_dir="$out" \
   model=llama3_8b model.n_layers=8 strategy=contiguous batch=1,16 ctx=8192 decode_tokens=4 || true
 python3 - "$out" <<'PY'

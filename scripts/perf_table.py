@@ -12,8 +12,8 @@ rows = pd.read_parquet(sys.argv[1])
 compare = sys.argv[2] if len(sys.argv) > 2 else "matmul"
 rows = rows[rows.status == "ok"]
 kernel_of = {  # compare -> (label of a row's variant, labels before/after, rows taking part)
-    "matmul": (lambda r: r.matmul_kernel.split(".")[0], ("aten", "onednn"), ~rows.kernel.str.contains(".c ")),
-    "attention": (lambda r: "c" if ".c " in r.kernel else "sdpa", ("sdpa", "c"), rows.matmul_kernel.str.startswith("onednn")),
+    "matmul": (lambda r: r.matmul, ("aten", "onednn"), rows.backend != "c"),
+    "attention": (lambda r: r.backend, ("sdpa", "c"), rows.matmul == "onednn"),
 }
 variant, (first, second), taking_part = kernel_of[compare]
 rows = rows[taking_part]
