@@ -38,6 +38,7 @@ class Hardware:
     flops: Dict[str, float] = field(default_factory=dict)  # dtype name -> peak dense FLOP/s
     source: str = ""  # where the figures come from (datasheet, calibration file path)
     calibrated: bool = False  # True: figures come from a calibration record, not a datasheet
+    memory_bytes: Optional[float] = None  # memory of one device (capacity planning); None where unknown
 
     def roof(self, dtype: str) -> Roof:
         for name, value in [("bandwidth_Bps", self.bandwidth_Bps), *((f"flops.{k}", v) for k, v in self.flops.items())]:
