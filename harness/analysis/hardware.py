@@ -77,6 +77,7 @@ def hardware_from_mapping(mapping) -> Hardware:
         flops=flops,
         source=str(mapping.get("source", "")),
         calibrated=bool(mapping.get("calibrated", False)),
+        memory_bytes=None if mapping.get("memory_bytes") is None else float(mapping["memory_bytes"]),
     )
 
 
