@@ -49,7 +49,8 @@ def test_report_writes_markdown_html_and_plots(report):
     folder, files = report
     assert files.markdown == folder / "_report" / "report.md" and files.markdown.is_file()
     assert files.html == folder / "_report" / "index.html" and files.html.is_file()
-    assert len(files.figures) == 5
+    assert len(files.figures) == 6  # step time, no cache / cache, cache bytes, prefill / decode, peak memory, equal b x t
+    assert files.csv.is_file() and files.csv.read_text().startswith("strategy,model,")
     for png in files.figures:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png.name})" in files.markdown.read_text()
@@ -138,3 +139,14 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert report_main([f"results_dir={tmp_path}", "hardware=tpu"]) == 2
     assert capsys.readouterr().err.strip().startswith("hardware:")
     assert report_main(["colour=blue"]) == 2
+
+
+def test_the_report_leads_with_this_machine_and_lists_rows_that_did_not_run_apart(report):
+    _, files = report
+    text = files.markdown.read_text()
+    assert text.index("## This machine, point by point") < text.index("## Measured against predicted")
+    assert text.index("## Measured against predicted") < text.index("## What a KV cache buys and costs")
+    table = text.split("## Every row beside its prediction")[1].split("\n## ")[0]
+    assert "| skipped |" not in table and "| failed |" not in table  # those are listed apart, with reasons
+    assert "bytes/step (source)" in table and "| ratio |" in table
+    assert "max-height" not in files.html.read_text()  # a plain table: screenshots and print keep every row

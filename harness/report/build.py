@@ -9,11 +9,12 @@ import pandas as pd
 
 from harness.analysis.hardware import available_hardware
 from harness.report import plots, tables
-from harness.report.document import Block, Figure, Heading, Paragraph, to_markdown
+from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.groups import Group, groups_of
 from harness.report.formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
+from harness.report.summary import memory_split, summary_table
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
@@ -31,6 +32,7 @@ class ReportFiles:
 
     markdown: Path  # report.md, images referenced by relative path
     html: Path  # index.html, images embedded: one file to send around
+    csv: Path  # rows.csv: the full table of rows that ran
     figures: list[Path] = field(default_factory=list)  # the PNGs next to them
 
 
@@ -59,6 +61,9 @@ def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
         (plots.prefill_vs_decode(group, folder),
          "Prefill reads the weights once for the whole prompt; decode reads them (and the cache) for every "
          "token. Left: bytes per token (analytic); right: measured time per token.", ""),
+        (plots.peak_memory_split(group, folder, memory_split),
+         "Each point's peak memory: the weights, the cache it allocated, and the rest (activations, the "
+         "allocator's slack, runtime buffers).", "No row measured a peak."),
     ]
     for path, caption, missing in figures:
         if path is not None:
@@ -71,8 +76,13 @@ def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
         out.append(Figure(plots.equal_batch_tokens(group, sets, folder),
                           "Same batch × ctx: the cache is the same to the byte (left, dark bars), throughput is not (right)."))
     else:
-        out.append(Paragraph("No two rows of one cached strategy share batch × ctx here "
-                             "(the default sweep has such pairs: batch 1,4,16 × ctx 64,256,1024)."))
+        batches = sorted(group.ok["batch"].unique()) or [1]
+        b = int(batches[0])
+        out.append(Paragraph(
+            "No two rows of one cached strategy share batch × ctx here. A sweep with such pairs: "
+            f"`python -m harness.run -m model={group.model} strategy={group.plain_cache() or 'contiguous'} "
+            f"batch={b},{4 * b} ctx=256,1024 device={group.device} dtype={group.dtype}` "
+            f"({b} × 1024 = {4 * b} × 256)."))
     return out
 
 
@@ -101,6 +111,13 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
     groups = groups_of(table)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
+    blocks += [Heading("This machine, point by point"), Paragraph(
+        "One line per measured point: the fastest strategy there and its step, the roof that binds it and "
+        "the share of that roof reached; what the plain cache saved against recomputing everything, in time "
+        "and in FLOPs (the FLOP saving is always far larger: a cached step waits on bytes); and the peak "
+        "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups)]
+    for group in groups:
+        blocks += _group_section(group, folder, sets_by_group[group.slug])
     blocks += [Heading("Roofs the predictions use"), Paragraph(
         "Each prediction is a roofline time: max(FLOPs ÷ peak FLOP/s, bytes ÷ bandwidth), per decode step, "
         "averaged over the point's decode steps. Measured roofs (a calibration) are used where one exists; "
@@ -109,14 +126,13 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
         blocks.append(Paragraph("**Note:** some rows have no calibration and no matching datasheet: they are "
                                 "predicted with a stand-in datasheet, so their ratios compare this machine "
                                 "with that device, not with this machine's own roofs."))
-    for group in groups:
-        blocks += _group_section(group, folder, sets_by_group[group.slug])
     blocks += [Heading("Every row beside its prediction"), Paragraph(
         "Ratios are measured ÷ analytic. Times are per decode step (no_cache: one full recompute), the "
         "prediction averaged over the point's decode steps; `bound` is what the roofline predicts limits "
         "that step. Bytes per step come from a hardware counter where one ran (`ncu`), else from the "
         "runner's model, which is the analytic one (no ratio then). Cache: bytes allocated against "
-        "batch × (ctx + decode_tokens) × kv_bytes_per_token."),
+        "batch × (ctx + decode_tokens) × kv_bytes_per_token. Rows that did not run are listed at the end; "
+        "columns empty in every row are left out. The same table is `rows.csv` beside this report."),
         tables.rows_table(table)]
     blocks += layout_section(groups, folder)
     blocks += format_section(groups, folder)
@@ -138,8 +154,12 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         stale.unlink()
     table = load(results_dir, fallback_hardware)
     blocks = build_blocks(table, results_dir, folder)
-    files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html",
+    files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                         figures=[b.path for b in blocks if isinstance(b, Figure)])
     files.markdown.write_text(to_markdown(blocks))
+    rows_table = next(b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]) \
+        if not table.empty else None
+    if rows_table is not None:
+        pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(files.csv, index=False)
     files.html.write_text(to_html(blocks, TITLE))
     return files

@@ -15,10 +15,9 @@ h2 { border-bottom: 1px solid #ccc; padding-bottom: .15em; margin-top: 2em; }
 code { background: #f2f2f2; padding: 0 .25em; border-radius: 3px; font-size: 92%; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 13px; }
 th, td { border: 1px solid #d0d0d0; padding: 3px 7px; }
-th { background: #f4f4f4; position: sticky; top: 0; }
+th { background: #f4f4f4; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr:nth-child(even) td { background: #fafafa; }
-.wide { overflow-x: auto; max-height: 40em; }
 figure { margin: 1.5em 0; }
 figure img { max-width: 100%; border: 1px solid #e4e4e4; }
 figcaption { color: #555; font-size: 14px; }
@@ -42,7 +41,7 @@ def _table(block: Table) -> str:
             for c, r in zip(row, right)
         )
         body.append(f"<tr>{cells}</tr>")
-    return f'<div class="wide"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    return f'<table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def _figure(block: Figure) -> str:

@@ -259,3 +259,25 @@ def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]
     fig.suptitle(f"Many short sequences against few long ones ({strategy})\n{group.title}", fontsize=10)
     fig.tight_layout()
     return _save(fig, folder, f"equal_batch_tokens_{group.slug}.png")
+
+
+def peak_memory_split(group: Group, folder: Path, split_of) -> Optional[Path]:
+    """Peak memory of every ok row, stacked: weights, cache, the rest (split_of: summary.memory_split)."""
+    rows = [(r, split_of(r)) for _, r in group.ok.sort_values([SERIES, "batch", "ctx"]).iterrows()]
+    rows = [(r, split) for r, split in rows if split is not None]
+    if not rows:
+        return None
+    labels = [f"{r[SERIES]}\n{int(r['batch'])}×{int(r['ctx'])}" for r, _ in rows]
+    weights, cache, rest = (np.array([split[i] for _, split in rows]) / 2**20 for i in (1, 2, 3))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(8.0, 0.45 * len(rows) + 2)), 4.8))
+    x = np.arange(len(rows))
+    ax.bar(x, weights, color="#7f7f7f", label="weights")
+    ax.bar(x, cache, bottom=weights, color="#1f77b4", label="KV cache (allocated)")
+    ax.bar(x, rest, bottom=weights + cache, color="#ff7f0e", label="the rest (activations, slack)")
+    ax.set_xticks(x, labels, fontsize=6, rotation=90)
+    ax.set_ylabel("MiB at the point's peak")
+    ax.set_title(f"Peak memory per point: weights, cache and the rest\n{group.title}", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, folder, f"peak_memory_{group.slug}.png")

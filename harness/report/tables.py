@@ -16,8 +16,17 @@ def _get(row, key):
     return row[key] if key in row.index else None
 
 
+def without_empty_columns(block: Table) -> Table:
+    """The table without the columns that are empty ("–") in every row (e.g. counters a CPU lacks)."""
+    keep = [i for i in range(len(block.header)) if any(row[i] not in ("–", "", "None") for row in block.rows)]
+    right = block.align_right or [False] * len(block.header)
+    return Table([block.header[i] for i in keep], [[row[i] for i in keep] for row in block.rows], [right[i] for i in keep])
+
+
 def rows_table(table: pd.DataFrame) -> Table:
-    """Every row (any status): measured and analytic time, bytes, cache bytes, their ratios, the bound."""
+    """Every row that ran (skipped and failed ones are listed apart, with their reasons): measured and
+    analytic time, bytes, cache bytes, their ratios, the bound; columns empty in every row left out."""
+    table = table[table["status"] == "ok"] if "status" in table else table
     header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
               "step measured", "step roofline", "ratio", "prefill measured", "prefill roofline", "ratio",
               "bytes/step (source)", "bytes/step analytic", "ratio", "cache allocated", "cache analytic", "ratio",
@@ -44,7 +53,7 @@ def rows_table(table: pd.DataFrame) -> Table:
             fmt.number(_get(row, "tokens_per_s")),
             str(_get(row, "roof_bound") or "–"),
         ])
-    return Table(header, body, right)
+    return without_empty_columns(Table(header, body, right))
 
 
 def roofs_table(table: pd.DataFrame) -> Table:

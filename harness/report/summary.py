@@ -1,0 +1,62 @@
+"""The report's first screen: one line per measured point of this machine, what it answers at a glance.
+
+Per model x device x dtype x batch x ctx: the fastest strategy there, what the plain cache saved
+against the recompute reference in time and in FLOPs (the gap between the two is the report's main
+story), the roof that binds the fastest step and the share of it reached, tokens per second, and the
+peak memory of the plain cache's run split into weights, cache and the rest (activations, the
+allocator's slack, the runtime's buffers).
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.analysis import analytic
+from harness.analysis.results import SERIES
+from harness.report import format as fmt
+from harness.report.document import Table
+from harness.report.groups import Group, reference_rows
+
+HEADER = ["model", "device", "dtype", "batch", "ctx", "fastest", "step", "tokens/s", "bound", "of its roof",
+          "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
+
+
+def _one(rows: pd.DataFrame, series: str | None):
+    mine = rows[rows[SERIES] == series] if series is not None else rows.iloc[0:0]
+    return mine.iloc[0] if not mine.empty else None
+
+
+def memory_split(row) -> tuple[float, float, float, float] | None:
+    """(peak, weights, cache, the rest) of a row's peak memory, or None where no peak was measured."""
+    if row is None or fmt.missing(row.get("peak_memory_bytes")):
+        return None
+    peak, weights = float(row["peak_memory_bytes"]), float(row["weight_bytes"])
+    cache = 0.0 if fmt.missing(row.get("kv_cache_bytes")) else float(row["kv_cache_bytes"])
+    return peak, weights, cache, max(peak - weights - cache, 0.0)
+
+
+def summary_rows(group: Group) -> list[list[str]]:
+    body = []
+    ok = group.ok.dropna(subset=["decode_step_s"])
+    plain = group.plain_cache()
+    for (batch, ctx), rows in ok.groupby(["batch", "ctx"], sort=True):
+        fastest = rows.sort_values("decode_step_s").iloc[0]
+        cached, reference = _one(rows, plain), reference_rows(rows)
+        time_saved = flops_saved = "–"
+        if cached is not None and not reference.empty:
+            time_saved = fmt.ratio(reference["decode_step_s"].median() / cached["decode_step_s"])
+            n = int(cached["decode_tokens"])
+            flops_saved = fmt.ratio(analytic.generate_flops(group.shape, int(batch), int(ctx), n, None)
+                                    / analytic.generate_flops(group.shape, int(batch), int(ctx), n, group.layouts[plain]))
+        split = memory_split(cached if cached is not None else fastest)
+        memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
+        fraction = fastest.get("roofline_fraction")
+        body.append([group.model, group.device, group.dtype, fmt.count(batch), fmt.count(ctx), str(fastest[SERIES]),
+                     fmt.seconds(fastest["decode_step_s"]), fmt.number(fastest["tokens_per_s"]),
+                     str(fastest.get("roof_bound") or "–"), "–" if fmt.missing(fraction) else f"{fraction:.0%}",
+                     time_saved, flops_saved, *memory])
+    return body
+
+
+def summary_table(groups: list[Group]) -> Table:
+    body = [line for group in groups for line in summary_rows(group)]
+    return Table(HEADER, body, [False, False, False, True, True, False] + [True] * 10)
