@@ -102,3 +102,13 @@ def test_random_prefill_writes_random_keys_and_values():
 def test_rows_name_the_clock_that_timed_them(calibrated_run):
     rows = pd.read_parquet(calibrated_run[0])
     assert (rows.timing_method == "perf_counter").all()  # a CPU: no events, no graphs, no flush asked
+
+
+def test_the_prompt_is_timed_several_times_on_fresh_sessions_within_its_budget():
+    short = measure_point(planned_point("model=tiny", "strategy=contiguous", "ctx=16", "decode_tokens=2"))
+    assert short["prefill_repeats"] == 5  # a short prompt: every repeat fits the budget
+    assert short["prefill_p10_s"] <= short["prefill_s"] <= short["prefill_p90_s"]
+    tight = measure_point(planned_point("model=tiny", "strategy=contiguous", "ctx=16", "decode_tokens=2",
+                                        "timing.prefill_budget_s=1e-9"))
+    assert tight["prefill_repeats"] == 1  # a prompt longer than the budget is timed once
+    assert tight["tokens_digest"] == short["tokens_digest"]  # repeats never change what is decoded

@@ -54,6 +54,8 @@ class TimingConfig:
     settle_tolerance: float = 0.05  # warm-up ends when two consecutive steps differ by less than this fraction
     cuda_graphs: bool = False  # CUDA only: capture each decode step at its position, time its replay
     cold_cache: bool = False  # evict the last-level cache (CPU) or L2 (GPU) before each timed step
+    prefill_repeats: int = 5  # times the prompt is timed at most, each on a fresh session (median recorded)
+    prefill_budget_s: float = 1.0  # no further repeat once the prompt's timings would pass this many seconds
 
 
 @dataclass
@@ -75,6 +77,9 @@ class RunConfig:
     calibrate: bool = False  # re-measure the device's roofs even if a calibration record exists
     results_dir: str = "results"  # Parquet rows, Hydra logs (_hydra/), the calibration (_calibration/); relative to the working directory
     overwrite: bool = False  # re-run points that already have a row for the same resolved config
+    rerun_failed: bool = True  # re-run points whose row is status=failed; false keeps failed rows as they are
+    rerun_other_code: bool = False  # re-run points whose row another code state made (its git_commit is not this checkout's)
+    calibration_budget_s: float = 120.0  # wall-time budget of one calibration: repeats stop and the GEMM shrinks to fit it
     isolate: bool = True  # run each point in its own process, so its memory peak is its own
 
 

@@ -34,13 +34,13 @@ def run_decode_steps(point: Point) -> torch.Tensor:
     torch.set_num_threads(point.threads)
     strategy = point.strategy.instantiate()
     model = build_model(point.model, device, dtype, point.seed, point.matmul, batch_hint=point.batch)
-    session = strategy.new_session(model, point.batch, point.max_len)
     # cold_cache: the same eviction buffer the timed run zeroes before each step, zeroed here
     # between the ranges, so its 256 MB of writes are not counted as the step's traffic.
     flush_buffer = StepTimer(device, cold_cache=point.timing.cold_cache).flush_buffer
     generator = torch.Generator(device=device).manual_seed(point.seed)
 
-    first_token, _ = start_decode(point, session, generator)  # same draws as measure_point
+    session, first_token, _ = start_decode(  # same draws as measure_point
+        point, lambda: strategy.new_session(model, point.batch, point.max_len), generator)
 
     # One warm-up step: lazy initialisation and allocator growth stay out of the profiled steps.
     session.step(first_token)

@@ -29,20 +29,30 @@ def not_run(status: str, reason: str, **extra) -> dict:
     return {"status": status, "reason": reason, **extra}
 
 
-def start_decode(point: Point, session, generator: torch.Generator, timer: StepTimer | None = None):
-    """Bring a fresh session to the first decode position: run the prompt (timed when a timer is
-    given) or, with prefill=random, fill the cache with random K/V. Returns (first token [B],
-    prefill seconds or None). The random draws come in one fixed order, so every caller that seeds
-    the same generator gets the same prompt, cache and tokens."""
+def start_decode(point: Point, new_session, generator: torch.Generator, timer: StepTimer | None = None):
+    """A session brought to the first decode position: the prompt run (timed, and repeated when a
+    timer is given) or, with prefill=random, the cache filled with random K/V. `new_session()` makes a
+    fresh session: each timed repeat of the prompt runs on a fresh one, so a cache never sees its
+    prompt twice. Returns (session, first token [B], prefill StepStats or None). The random draws come
+    in one fixed order, so every caller that seeds the same generator gets the same prompt, cache and
+    tokens."""
     vocab = point.model.vocab_size
+    session = new_session()
     if point.prefill == "random":
         session.fill_random(point.ctx, generator)
-        return torch.randint(vocab, (point.batch,), generator=generator, device=generator.device), None
+        return session, torch.randint(vocab, (point.batch,), generator=generator, device=generator.device), None
     prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
     if timer is None:
-        return session.prefill(prompt).argmax(-1), None
-    logits, seconds = timer.time(lambda: session.prefill(prompt))
-    return logits.argmax(-1), seconds
+        return session, session.prefill(prompt).argmax(-1), None
+    logits, first = timer.time(lambda: session.prefill(prompt))
+    seconds, budget = [first], point.timing.prefill_budget_s
+    # Repeat while the budget allows: a long prompt is timed once, a short one up to prefill_repeats times.
+    while len(seconds) < point.timing.prefill_repeats and sum(seconds) + seconds[-1] <= budget:
+        del session
+        session = new_session()
+        logits, again = timer.time(lambda: session.prefill(prompt))
+        seconds.append(again)
+    return session, logits.argmax(-1), StepStats.of(seconds)
 
 
 def accuracy(point: Point, strategy, model) -> dict:
@@ -75,11 +85,10 @@ def measure_point(point: Point) -> dict:
     peak.start()
     model = build_model(point.model, device, dtype, point.seed, point.matmul, batch_hint=point.batch)
     peak.reset_peak()
-    session = strategy.new_session(model, point.batch, point.max_len)
     timer = StepTimer(device, cold_cache=point.timing.cold_cache)
     generator = torch.Generator(device=device).manual_seed(point.seed)
-
-    first_token, prefill_s = start_decode(point, session, generator, timer)
+    session, first_token, prefill = start_decode(
+        point, lambda: strategy.new_session(model, point.batch, point.max_len), generator, timer)
 
     def first_step_again() -> float:
         _, seconds = timer.time(lambda: session.step(first_token))
@@ -116,7 +125,10 @@ def measure_point(point: Point) -> dict:
         "kernel": kernel,
         "matmul_kernel": MATMUL_KERNELS[point.matmul],
         **common,
-        "prefill_s": prefill_s,
+        "prefill_s": prefill.p50 if prefill else None,
+        "prefill_p10_s": prefill.p10 if prefill else None,
+        "prefill_p90_s": prefill.p90 if prefill else None,
+        "prefill_repeats": prefill.count if prefill else None,
         "decode_step_s": stats.p50,
         "decode_step_p10_s": stats.p10,
         "decode_step_p90_s": stats.p90,
