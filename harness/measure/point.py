@@ -11,6 +11,7 @@ import torch
 
 from harness.config import Point
 from harness.measure.accuracy import not_measured, teacher_forced
+from harness.measure.contention import CpuTimes, gpu_state, others_fraction
 from harness.measure.device import device_name
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
@@ -110,10 +111,13 @@ def measure_point(point: Point) -> dict:
             return timer.time(lambda: session.step(token).argmax(-1))
 
     generated, step_seconds = [first_token], []
+    before = CpuTimes.now()
     for _ in range(point.decode_tokens):
         token, seconds = timed_step(generated[-1])
         generated.append(token)
         step_seconds.append(seconds)
+    contention = others_fraction(before, CpuTimes.now())
+    gpu = gpu_state(device.index or 0) if device.type == "cuda" else {}
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
     memory = peak.read()  # before the accuracy pass below: the point's peak is the timed session's
     cache_bytes = session.kv_cache_bytes
@@ -136,6 +140,8 @@ def measure_point(point: Point) -> dict:
         "warmup_steps": warmup_steps,
         "timing_method": timer.method + (", CUDA graph replay" if t.cuda_graphs else ""),
         "tokens_per_s": point.batch / stats.p50,
+        "contention": contention,
+        **gpu,
         "kv_cache_bytes": cache_bytes,
         **memory,
         **accuracy(point, strategy, model),

@@ -33,7 +33,7 @@ class Group:
     roof_description: str  # which calibration or datasheet, and why
     decode_tokens: int  # decode steps per point (the most common value)
     rows: pd.DataFrame  # every row of the group, whatever its status
-    ok: pd.DataFrame  # rows with status ok and a prediction
+    ok: pd.DataFrame  # rows with status ok, a prediction, and numbers to trust (not noisy)
     layouts: dict = field(default_factory=dict)  # strategy -> its CacheLayout (None: no cache), from the rows
 
     @property
@@ -103,7 +103,9 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
         if predicted.empty:
             continue
         first = predicted.iloc[0]
-        ok = predicted[predicted["status"] == "ok"].copy()
+        ran = predicted[predicted["status"] == "ok"]
+        noisy = ran["noisy"].fillna(False).astype(bool) if "noisy" in ran else pd.Series(False, index=ran.index)
+        ok = ran[~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
         found.append(Group(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(first.get("device_name") or device),

@@ -30,8 +30,8 @@ def rows_table(table: pd.DataFrame) -> Table:
     header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
               "step measured", "step roofline", "ratio", "prefill measured", "prefill roofline", "ratio",
               "bytes/step (source)", "bytes/step analytic", "ratio", "cache allocated", "cache analytic", "ratio",
-              "tokens/s", "bound"]
-    right = [False, False, False, False, True, True, False] + [True] * 13 + [False]
+              "tokens/s", "bound", "noisy"]
+    right = [False, False, False, False, True, True, False] + [True] * 13 + [False, False]
     body = []
     for _, row in table.sort_values(ROW_ORDER).iterrows():
         measured_bytes = _get(row, "bytes_per_step_measured")
@@ -52,6 +52,7 @@ def rows_table(table: pd.DataFrame) -> Table:
             fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
             fmt.number(_get(row, "tokens_per_s")),
             str(_get(row, "roof_bound") or "–"),
+            str(_get(row, "noise_reason") or "–") if _get(row, "noisy") is True else "–",
         ])
     return without_empty_columns(Table(header, body, right))
 

@@ -8,6 +8,7 @@ import json
 from datetime import datetime, timezone
 
 from harness.analysis import analytic
+from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
 from harness.run.metadata import run_metadata
 from harness.store.schema import COLUMN_NAMES, COLUMNS_BY_SOURCE
@@ -70,6 +71,15 @@ def roof_columns(row: dict, roofs) -> dict:
     return columns
 
 
+def noise_columns(row: dict) -> dict:
+    """noisy and noise_reason of a row that ran (harness.measure.contention); null for one that did not."""
+    if row["status"] != "ok":
+        return {"noisy": None, "noise_reason": None}
+    fractions = {name: row[name] for name in ("bandwidth_fraction", "flops_fraction")}
+    reasons = noise_reasons(row["contention"], row["decode_step_p10_s"], row["decode_step_p90_s"], fractions)
+    return {"noisy": bool(reasons), "noise_reason": "; ".join(reasons)}
+
+
 def build_row(point: Point, measured: dict, roofs=None) -> dict:
     """`measured`: measure_point's outcome (extra keys such as `tokens` are not columns and are
     dropped); `roofs`: a harness.store.calibration.Calibration for the point's device and dtype, or None."""
@@ -77,6 +87,7 @@ def build_row(point: Point, measured: dict, roofs=None) -> dict:
                **{k: v for k, v in measured.items() if k in COLUMNS_BY_SOURCE["measured"]}}
     row = {**flatten(point), **outcome, **model_columns(point)}
     row.update(roof_columns(row, roofs))
+    row.update(noise_columns(row))
     row.update(run_metadata(), timestamp=datetime.now(timezone.utc), point_key=point.key,
                config_json=json.dumps(point.identity(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):

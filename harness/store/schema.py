@@ -78,6 +78,11 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("warmup_steps", I, "steps", "untimed warm-up steps run at the first decode position", "measured"),
     ("timing_method", S, "", "clock and options that timed the steps: CUDA events or perf_counter, cache flush, CUDA graph replay", "measured"),
     ("tokens_per_s", F, "tokens/s", "batch / decode_step_s", "measured"),
+    # the machine while the steps were timed (harness.measure.contention)
+    ("contention", F, "", "share of all CPU cores' time other processes took during the timed steps", "measured"),
+    ("gpu_other_processes", I, "", "CUDA: other processes on the point's GPU after its steps (NVML); null without NVML", "measured"),
+    ("gpu_sm_clock_mhz", F, "MHz", "CUDA: the GPU's SM clock after the steps (NVML)", "measured"),
+    ("gpu_throttle_reasons", S, "", "CUDA: active clock throttle reasons (NVML), or none", "measured"),
     # memory
     ("kv_cache_bytes", I, "B", "bytes of cache storage held at the end of the point (0 without a cache)", "measured"),
     ("peak_memory_bytes", I, "B", "the point's own peak: CUDA max_memory_allocated; CPU resident set above the process baseline", "measured"),
@@ -106,6 +111,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("bandwidth_fraction", F, "", "share of the read roof reached: bytes_per_step_model / decode_step_s / roof_bandwidth_Bps", "roofs"),
     ("flops_fraction", F, "", "share of the FLOP roof reached: flops_per_step_model / decode_step_s / roof_flops", "roofs"),
     ("roofline_fraction", F, "", "roofline time at the calibrated roofs / decode_step_s: max(bandwidth_fraction, flops_fraction)", "roofs"),
+    ("noisy", B, "", "the row's numbers are not to be trusted (contention, spread or a fraction above the roof)", "roofs"),
+    ("noise_reason", S, "", "why the row is noisy; empty when it is not", "roofs"),
     # run metadata
     ("timestamp", T, "UTC", "when the row was written", "run"),
     ("torch_version", S, "", "torch.__version__ of the run", "run"),
