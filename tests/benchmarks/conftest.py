@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import ModelConfig
+from harness.measure.contention import CpuTimes, others_fraction  # noqa: F401 (others_fraction: for the suite)
 from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
 from strategies.contiguous import ContiguousStrategy
@@ -177,20 +178,9 @@ def run_timed(benchmark, target, setup=None, control=None, budget_s: float = 2.0
     return result
 
 
-def cpu_seconds() -> tuple[float, float, float]:
-    """(wall clock, CPU seconds all processes spent busy including steal, CPU seconds of this process)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    busy = sum(ticks) - ticks[3] - ticks[4]
-    mine = os.times()
-    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), mine.user + mine.system
-
-
-def others_fraction(start, end) -> float:
-    """Share of all cores' time that processes other than this one (and steal) took between two
-    cpu_seconds() readings."""
-    wall, busy, mine = (e - s for e, s in zip(end, start))
-    return max(0.0, busy - mine) / (wall * os.cpu_count())
+def cpu_seconds() -> CpuTimes:
+    """Wall clock, CPU seconds all processes spent busy (steal included), CPU seconds of this process."""
+    return CpuTimes.now()
 
 
 AT_START = cpu_seconds()
@@ -204,7 +194,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     end = cpu_seconds()
     machine_info["cpu_contention"] = {
         "others_fraction": others_fraction(AT_START, end),  # share of all cores' time others took
-        "wall_s": end[0] - AT_START[0], "cores": os.cpu_count(), "loadavg_1min_end": os.getloadavg()[0],
+        "wall_s": end.wall - AT_START.wall, "cores": os.cpu_count(), "loadavg_1min_end": os.getloadavg()[0],
     }
     machine_info["torch_threads"] = torch.get_num_threads()
     machine_info["harness_matmul"] = MATMUL
