@@ -183,6 +183,21 @@ def cpu_seconds() -> CpuTimes:
     return CpuTimes.now()
 
 
+def interleaved_medians(kernels: dict, rounds: int) -> tuple[dict, float]:
+    """Median seconds of each kernel over `rounds` rounds that each run every kernel once, in an order
+    rotating from round to round (a burst of noise lands on all of them alike), after one warm-up call
+    each; and the share of the CPUs other processes took meanwhile."""
+    for kernel in kernels.values():  # warm-up: allocator, caches, lazy initialisation
+        kernel()
+    times, names, start = {name: [] for name in kernels}, list(kernels), cpu_seconds()
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            begin = time.perf_counter()
+            kernels[name]()
+            times[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(t) for name, t in times.items()}, others_fraction(start, cpu_seconds())
+
+
 AT_START = cpu_seconds()
 
 

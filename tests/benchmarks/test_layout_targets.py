@@ -16,8 +16,6 @@ Run: `python -m pytest -m target tests/benchmarks/test_layout_targets.py -s` (pr
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from strategies.contiguous import ContiguousStrategy
 from strategies.dynamic import DynamicStrategy
 from strategies.paged import PagedStrategy
 from strategies.static_full import StaticFullStrategy
-from tests.benchmarks.conftest import DTYPE, POINTS, SEED, cpu_seconds, others_fraction
+from tests.benchmarks.conftest import DTYPE, POINTS, SEED, interleaved_medians
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/performance.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -81,21 +79,11 @@ def measured(model_for, controls):
     copy, memory = CopyKernel(), controls["memory"]
     kernels = {name: (lambda s=session: s.step(token)) for name, (_, session) in sessions.items()}
     kernels["copy"], kernels["memory_control"] = copy, memory
-    times = {name: [] for name in kernels}
-    for kernel in kernels.values():  # warm-up: allocator, caches, lazy init
-        kernel()
-    start = cpu_seconds()
-    names = list(kernels)
-    for round_ in range(ROUNDS):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            begin = time.perf_counter()
-            kernels[name]()
-            times[name].append(time.perf_counter() - begin)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians, contention = interleaved_medians(kernels, ROUNDS)
     bandwidth = memory.nbytes / medians["memory_control"]
     return {"medians": medians, "copy_Bps": copy.bytes_moved / medians["copy"], "bandwidth_Bps": bandwidth,
             "strategies": {name: strategy for name, (strategy, _) in sessions.items()},
-            "contention": others_fraction(start, cpu_seconds())}
+            "contention": contention}
 
 
 def step_bytes(strategy) -> dict:

@@ -9,8 +9,6 @@ Run: `python -m pytest -m target tests/benchmarks/test_quantized_targets.py -s` 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from harness.analysis import analytic
 from harness.measure.accuracy import teacher_forced
 from strategies.contiguous import ContiguousStrategy
 from strategies.quantized import QuantizedStrategy
-from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED, cpu_seconds, others_fraction
+from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED, interleaved_medians
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/performance.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -42,17 +40,8 @@ def step_medians(model_for):
         session.fill_random(POINT.ctx, generator)
         token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
         steps[name] = lambda s=session, t=token: s.step(t)
-    for step in steps.values():
-        step()
-    times = {name: [] for name in steps}
-    start, names = cpu_seconds(), list(steps)
-    for round_ in range(ROUNDS):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            begin = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - begin)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\nheavy point B={POINT.batch} ctx={POINT.ctx}: others took {others_fraction(start, cpu_seconds()):.0%} of the CPUs")
+    medians, contention = interleaved_medians(steps, ROUNDS)
+    print(f"\ncache-bound point B={POINT.batch} ctx={POINT.ctx}: others took {contention:.0%} of the CPUs")
     for name, strategy in CACHES.items():
         layout = strategy.cache_layout(POINT.shape)
         step_bytes = analytic.decode_step_bytes(POINT.shape, DTYPE_NAME, POINT.batch, POINT.ctx, layout, POINT.ctx + 1)
