@@ -5,25 +5,35 @@
  * linked without -ffast-math); used by `paged` for its decode steps on a CPU in fp32
  * (strategy.backend=auto|c).
  *
- * Layout (vLLM's and flash_attn_with_kvcache's): a pool [n_blocks, block_size, n_kv, D] per layer for K
- * and one for V, and a table [B, max_blocks] of int32 block ids; logical position p of sequence b lives
- * in block table[b][p / block_size] at row p % block_size. Only the blocks covering positions
- * 0..length-1 are read, and within the last one only the rows below length.
+ * Layout: head-major pools [n_blocks, n_kv, block_size, D] for K and for V (vLLM's CUDA kernel keeps K
+ * head-major too; `paged` keeps flash_attn's token-major pools only for flash_attn), passed with their
+ * element strides (block, head, row), and a table [B, max_blocks] of int32 block ids: logical position
+ * p of sequence b, head h is row p % block_size of head h in block table[b][p / block_size]. Only the
+ * blocks covering positions 0..length-1 are read, and within the last one only the rows below length.
  *
  * How: the structure of cpu_decode_attention.c (read its header for why): an online softmax over
  * chunks of CHUNK keys, each key and value row read from memory once; the G dot products of a key row
  * in one pass (a fast path for Llama 3's G = 4); values accumulated 16 columns at a time in registers;
- * software prefetch PREFETCH rows ahead. Three things change:
+ * software prefetch a few rows ahead. What changes:
  * - How a row is found: a chunk's row addresses are resolved through the table first (one division
- *   per chunk, then a running block/offset cursor), so a chunk may span several blocks and the
- *   per-chunk softmax cost does not grow as blocks shrink, down to block_size 1.
- * - The prefetch follows the table: the next logical row, in another block at a block boundary.
- * - A task takes a run of KV heads of one sequence, not one head: this layout puts a position's n_kv
- *   heads side by side, so one task per head (the contiguous kernel's split) reads every n_kv-th
- *   D-float segment of the pool, and measured 1.4-1.8x the contiguous kernel's time on the same
- *   cache; reading whole rows brought it to 1.1-1.3x (B=16, n_kv=2, G=2, D=64, 2k and 8k tokens,
- *   blocks of 16 and 64, 2 cores).
- *   The run is as long as the threads allow (heads_per_task). Each (head, query) row is computed in
+ *   per chunk, then a running block/offset cursor, one table lookup per block), so a chunk may span
+ *   several blocks and the per-chunk softmax cost does not grow as blocks shrink, down to block_size 1.
+ *   The prefetch follows the table: the next logical row, in another block at a block boundary.
+ * - A task takes a run of `lanes` (sequence, KV head) pairs, consecutive in b * n_kv + h order (so
+ *   a run may cross sequences), and walks them in step: row j of every lane, then row j + 1. Each
+ *   lane streams its own blocks. What costs is the scatter, not the table: with blocks in pool
+ *   order (an identity table) a task per sequence matched the contiguous kernel, and through a
+ *   shuffled table every block is a jump to another page, where the hardware prefetchers (which
+ *   stay within 4 KiB pages) start over and the TLB misses (2 MiB pages took about half the gap
+ *   away); more streams in flight per core hide the restarts. One task per pair (the contiguous
+ *   kernel's split, one K and one V stream per core) measured 1.19-1.26x the contiguous kernel's
+ *   time on the same cache at block 16 and 1.12-1.17x at 64; runs of 2 lanes 1.10-1.13x and
+ *   1.05-1.08x; 4 lanes 1.06-1.10x and 1.00-1.03x; 8 lanes were slower again, 1.21-1.24x and
+ *   1.10-1.15x (each lane's chunk of values is in flight in L1 at once). B=16, n_kv=2, G=2, D=64,
+ *   8192 tokens, 2 cores (docs/performance.md). Rows of D=128 are twice as wide: LANE_FLOATS caps
+ *   the floats a step of all lanes reads (4 lanes at D=64, 2 at 128: 1.03-1.08x at block 16 and
+ *   1.00-1.03x at 64 at the 8B shape, 1 x 8 x 128).
+ *   The run is as long as the threads allow (lanes_per_task). Each (pair, query) row is computed in
  *   the same order whatever the run, so outputs do not depend on the thread count.
  */
 #include <float.h>
@@ -31,46 +41,48 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CHUNK 64      /* keys per online-softmax step: a chunk's scores (MAX_GROUP x CHUNK floats) stay in L1 */
-#define MAX_GROUP 32  /* most query heads per KV head (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
-#define MAX_DIM 512   /* largest head dimension (Llama 3: 128) */
-#define PREFETCH 16   /* key rows to prefetch ahead, as in cpu_decode_attention.c */
+#define CHUNK 64        /* keys per online-softmax step: a chunk's scores (MAX_GROUP x CHUNK floats) stay in L1 */
+#define MAX_GROUP 32    /* most query rows of a task: G per lane (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
+#define MAX_DIM 512     /* largest head dimension (Llama 3: 128) */
+#define MAX_LANES 8     /* most (sequence, KV head) pairs a task walks in step */
+#define LANE_FLOATS 256 /* a task's lanes read at most this many floats per row step (4 lanes of D=64) */
+#define PREFETCH 8      /* rows ahead (per lane) whose keys are prefetched: 4 to 12 measured alike */
 
-/* rows[j] = address of logical row start + j (j < count) of one sequence's first head of the task:
- * `pool` already points at that head, `pages` at the sequence's block ids. Head hh of the task is at
- * rows[j] + hh * head_stride. */
+/* rows[j] = address of logical row start + j (j < count) of one lane: `pool` already points at the
+ * lane's KV head, `pages` at its sequence's block ids. */
 static void resolve_rows(const float *pool, int64_t block_stride, int64_t row_stride, const int32_t *pages,
                          int64_t block_size, int64_t start, int64_t count, const float **rows) {
     int64_t page = start / block_size, offset = start % block_size;
+    const float *block = pool + (int64_t)pages[page] * block_stride;
     for (int64_t j = 0; j < count; j++) {
-        rows[j] = pool + (int64_t)pages[page] * block_stride + offset * row_stride;
-        if (++offset == block_size) {
+        rows[j] = block + offset * row_stride;
+        if (++offset == block_size && j + 1 < count) { /* the next block; never a lookup past `count` */
             offset = 0;
-            page++;
+            block = pool + (int64_t)pages[++page] * block_stride;
         }
     }
 }
 
-/* scores[r][j] = scale * q[r] . key of row j, for the n rows of one chunk, where r = hh * group + g is
- * query g of the task's head hh: a row's `heads` segments are read together. keys[] holds `ahead` >= n
- * rows so the prefetch PREFETCH rows ahead follows the table; value row j is prefetched for
- * chunk_values. */
-static void chunk_scores(const float *q, const float **keys, int64_t ahead, const float **values, int64_t n,
-                         int64_t heads, int64_t head_stride, int64_t group, int64_t dim, float scale,
-                         float scores[MAX_GROUP][CHUNK]) {
+typedef const float *row_list[CHUNK + PREFETCH]; /* one lane's rows of a chunk, and the prefetch's beyond */
+
+/* scores[r][j] = scale * q[r] . key of row j, for the n rows of one chunk, where r = l * group + g is
+ * query g of lane l. keys[l] holds `ahead` >= n rows so the prefetch PREFETCH rows ahead follows the
+ * table; value row j is prefetched for chunk_values. */
+static void chunk_scores(const float *q, row_list *keys, row_list *values, int64_t ahead, int64_t n,
+                         int64_t lanes, int64_t group, int64_t dim, float scale, float scores[MAX_GROUP][CHUNK]) {
     for (int64_t j = 0; j < n; j++) {
-        const float *next_key = j + PREFETCH < ahead ? keys[j + PREFETCH] : keys[j];
-        for (int64_t hh = 0; hh < heads; hh++) {
+        for (int64_t l = 0; l < lanes; l++) {
+            const float *next_key = j + PREFETCH < ahead ? keys[l][j + PREFETCH] : keys[l][j];
             for (int64_t line = 0; line < dim; line += 16) { /* 16 floats: one 64-byte cache line */
-                __builtin_prefetch(next_key + hh * head_stride + line);
-                __builtin_prefetch(values[j] + hh * head_stride + line);
+                __builtin_prefetch(next_key + line);
+                __builtin_prefetch(values[l][j] + line);
             }
         }
-        for (int64_t hh = 0; hh < heads; hh++) {
-            const float *key = keys[j] + hh * head_stride, *qh = q + hh * group * dim;
-            float(*s)[CHUNK] = scores + hh * group; /* this head's G rows */
+        for (int64_t l = 0; l < lanes; l++) {
+            const float *key = keys[l][j], *ql = q + l * group * dim;
+            float(*s)[CHUNK] = scores + l * group; /* this lane's G rows */
             if (group == 4) { /* Llama 3 8B's group: four independent sums, one pass over the key */
-                const float *q0 = qh, *q1 = qh + dim, *q2 = qh + 2 * dim, *q3 = qh + 3 * dim;
+                const float *q0 = ql, *q1 = ql + dim, *q2 = ql + 2 * dim, *q3 = ql + 3 * dim;
                 float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
                 for (int64_t d = 0; d < dim; d++) {
@@ -86,7 +98,7 @@ static void chunk_scores(const float *q, const float **keys, int64_t ahead, cons
                 s[3][j] = s3 * scale;
             } else {
                 for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qh + g * dim;
+                    const float *qg = ql + g * dim;
                     float sum = 0;
 #pragma omp simd reduction(+ : sum)
                     for (int64_t d = 0; d < dim; d++) sum += qg[d] * key[d];
@@ -97,22 +109,22 @@ static void chunk_scores(const float *q, const float **keys, int64_t ahead, cons
     }
 }
 
-/* acc[r][:] += sum_j p[r][j] * value of row j (head hh = r / group), over the n rows of one chunk,
- * 16 columns at a time so the partial sums stay in registers across the chunk. */
-static void chunk_values(const float **values, int64_t n, int64_t heads, int64_t head_stride, int64_t group,
-                         int64_t dim, float p[MAX_GROUP][CHUNK], float acc[MAX_GROUP][MAX_DIM]) {
-    for (int64_t r = 0; r < heads * group; r++) {
-        int64_t head_offset = (r / group) * head_stride;
+/* acc[r][:] += sum_j p[r][j] * value of row j (lane r / group), over the n rows of one chunk, 16
+ * columns at a time so the partial sums stay in registers across the chunk. */
+static void chunk_values(row_list *values, int64_t n, int64_t lanes, int64_t group, int64_t dim,
+                         float p[MAX_GROUP][CHUNK], float acc[MAX_GROUP][MAX_DIM]) {
+    for (int64_t r = 0; r < lanes * group; r++) {
+        const float **rows = values[r / group];
         for (int64_t d0 = 0; d0 < dim; d0 += 16) {
             if (d0 + 16 > dim) { /* a head dimension that is not a multiple of 16: the tail row by row */
                 for (int64_t j = 0; j < n; j++)
-                    for (int64_t d = d0; d < dim; d++) acc[r][d] += p[r][j] * values[j][head_offset + d];
+                    for (int64_t d = d0; d < dim; d++) acc[r][d] += p[r][j] * rows[j][d];
                 break;
             }
             float a[16];
             for (int c = 0; c < 16; c++) a[c] = acc[r][d0 + c];
             for (int64_t j = 0; j < n; j++) {
-                const float *value = values[j] + head_offset + d0;
+                const float *value = rows[j] + d0;
                 float pj = p[r][j];
 #pragma omp simd
                 for (int c = 0; c < 16; c++) a[c] += pj * value[c];
@@ -122,14 +134,26 @@ static void chunk_values(const float **values, int64_t n, int64_t heads, int64_t
     }
 }
 
-/* One sequence's run of `heads` KV heads: out[r] = softmax(scale * q[r] . K^T) V over logical keys
- * 0..length-1 of head r / group, for the heads * group query rows r. */
-static void attend_heads(const float *q, const float *k, const int64_t *k_strides, const float *v,
-                         const int64_t *v_strides, const int32_t *pages, int64_t block_size, float *out,
-                         int64_t heads, int64_t group, int64_t length, int64_t dim, float scale) {
-    int64_t rows = heads * group; /* <= MAX_GROUP: heads_per_task sees to it */
+/* Pairs first .. first + lanes - 1 (pair t: sequence t / n_kv, KV head t % n_kv): out[r] =
+ * softmax(scale * q[r] . K^T) V over logical keys 0..length-1 of lane r / group, for the lanes * group
+ * query rows r, which are consecutive in q and out. */
+static void attend_lanes(const float *q, float *out, int64_t first, int64_t lanes, const float *k_pool,
+                         const int64_t *k_strides, const float *v_pool, const int64_t *v_strides,
+                         const int32_t *table, int64_t table_stride, int64_t n_kv, int64_t block_size,
+                         int64_t group, int64_t length, int64_t dim, float scale) {
+    int64_t rows = lanes * group; /* <= MAX_GROUP: lanes_per_task sees to it */
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][CHUNK], acc[MAX_GROUP][MAX_DIM];
-    const float *keys[CHUNK + PREFETCH], *values[CHUNK];
+    row_list keys[MAX_LANES], values[MAX_LANES];
+    const float *k_head[MAX_LANES], *v_head[MAX_LANES];
+    const int32_t *pages[MAX_LANES];
+    for (int64_t l = 0; l < lanes; l++) {
+        int64_t b = (first + l) / n_kv, h = (first + l) % n_kv;
+        k_head[l] = k_pool + h * k_strides[1];
+        v_head[l] = v_pool + h * v_strides[1];
+        pages[l] = table + b * table_stride;
+    }
+    q += first * group * dim;
+    out += first * group * dim;
     for (int64_t r = 0; r < rows; r++) {
         running_max[r] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
         running_sum[r] = 0.0f;
@@ -138,9 +162,11 @@ static void attend_heads(const float *q, const float *k, const int64_t *k_stride
     for (int64_t start = 0; start < length; start += CHUNK) {
         int64_t n = length - start < CHUNK ? length - start : CHUNK;
         int64_t ahead = length - start < CHUNK + PREFETCH ? length - start : CHUNK + PREFETCH; /* never past length */
-        resolve_rows(k, k_strides[0], k_strides[1], pages, block_size, start, ahead, keys);
-        resolve_rows(v, v_strides[0], v_strides[1], pages, block_size, start, n, values);
-        chunk_scores(q, keys, ahead, values, n, heads, k_strides[2], group, dim, scale, p);
+        for (int64_t l = 0; l < lanes; l++) {
+            resolve_rows(k_head[l], k_strides[0], k_strides[2], pages[l], block_size, start, ahead, keys[l]);
+            resolve_rows(v_head[l], v_strides[0], v_strides[2], pages[l], block_size, start, n, values[l]);
+        }
+        chunk_scores(q, keys, values, ahead, n, lanes, group, dim, scale, p);
         for (int64_t r = 0; r < rows; r++) { /* online softmax: rescale what came before to the new max */
             float chunk_max = running_max[r];
             for (int64_t j = 0; j < n; j++) chunk_max = p[r][j] > chunk_max ? p[r][j] : chunk_max;
@@ -156,7 +182,7 @@ static void attend_heads(const float *q, const float *k, const int64_t *k_stride
             }
             running_sum[r] += chunk_sum;
         }
-        chunk_values(values, n, heads, v_strides[2], group, dim, p, acc);
+        chunk_values(values, n, lanes, group, dim, p, acc);
     }
     for (int64_t r = 0; r < rows; r++) {
         float inverse = 1.0f / running_sum[r];
@@ -164,36 +190,35 @@ static void attend_heads(const float *q, const float *k, const int64_t *k_stride
     }
 }
 
-/* KV heads per task: the divisor of n_kv that finishes first on `threads` threads, counting a task's
- * time as its heads (the longest thread runs ceil(tasks / threads) tasks); among equals the longest
- * run, whose rows are read whole. Its query rows must fit the MAX_GROUP rows of a task's state. */
-static int64_t heads_per_task(int64_t batch, int64_t n_kv, int64_t group, int threads) {
-    int64_t best = 1, best_time = INT64_MAX;
+/* Lanes per task: among runs of 1 .. the cap (LANE_FLOATS / dim lanes, MAX_LANES, and MAX_GROUP query
+ * rows), the one that finishes first on `threads` threads, counting a task's time as its lanes (the
+ * longest thread runs ceil(tasks / threads) tasks); among equals the longest run. */
+static int64_t lanes_per_task(int64_t pairs, int64_t group, int64_t dim, int threads) {
+    int64_t cap = LANE_FLOATS / dim, best = 1, best_time = INT64_MAX;
     if (threads < 1) threads = 1;
-    for (int64_t heads = 1; heads <= n_kv && heads * group <= MAX_GROUP; heads++) {
-        if (n_kv % heads) continue;
-        int64_t tasks = batch * (n_kv / heads), time = (tasks + threads - 1) / threads * heads;
+    for (int64_t lanes = 1; lanes <= cap && lanes <= MAX_LANES && lanes * group <= MAX_GROUP; lanes++) {
+        int64_t tasks = (pairs + lanes - 1) / lanes, time = (tasks + threads - 1) / threads * lanes;
         if (time <= best_time) {
-            best = heads;
+            best = lanes;
             best_time = time;
         }
     }
     return best;
 }
 
-/* q, out: [B, n_kv, G, D] contiguous. k_pool, v_pool: [n_blocks, block_size, n_kv, D] with element
- * strides k_strides/v_strides (block, row, head; the last dimension contiguous). block_table: [B, *]
+/* q, out: [B, n_kv, G, D] contiguous. k_pool, v_pool: [n_blocks, n_kv, block_size, D] with element
+ * strides k_strides/v_strides (block, head, row; the last dimension contiguous). block_table: [B, *]
  * int32 with row stride table_stride; its first ceil(length / block_size) entries per sequence are read. */
 void paged_decode_attention(const float *q, const float *k_pool, const int64_t *k_strides, const float *v_pool,
                             const int64_t *v_strides, const int32_t *block_table, int64_t table_stride, float *out,
                             int64_t batch, int64_t n_kv, int64_t group, int64_t length, int64_t block_size,
                             int64_t dim, float scale, int threads) {
-    int64_t heads = heads_per_task(batch, n_kv, group, threads), runs = n_kv / heads;
+    int64_t pairs = batch * n_kv, lanes = lanes_per_task(pairs, group, dim, threads);
+    int64_t tasks = (pairs + lanes - 1) / lanes;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < batch * runs; task++) {
-        int64_t b = task / runs, h = task % runs * heads; /* sequence b, heads h .. h + heads - 1 */
-        int64_t first_row = (b * n_kv + h) * group * dim;
-        attend_heads(q + first_row, k_pool + h * k_strides[2], k_strides, v_pool + h * v_strides[2], v_strides,
-                     block_table + b * table_stride, block_size, out + first_row, heads, group, length, dim, scale);
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t first = task * lanes, count = pairs - first < lanes ? pairs - first : lanes; /* the last may be short */
+        attend_lanes(q, out, first, count, k_pool, k_strides, v_pool, v_strides, block_table, table_stride, n_kv,
+                     block_size, group, length, dim, scale);
     }
 }

@@ -1,12 +1,23 @@
 """`paged`: K and V in fixed-size blocks taken from a shared pool as sequences grow (vLLM's PagedAttention).
 
-Per layer, a pool [n_blocks, block_size, n_kv, D] for K and one for V (the layout vLLM and
-flash_attn_with_kvcache use), and per session one block table [B, max_blocks] of int32 block ids,
-shared by every layer as vLLM's is: position p of sequence b lives in block table[b, p // block_size]
-at row p % block_size. Why a strategy of its own: a serving engine does not know how long a sequence
-will get, so it cannot give it a contiguous table; it hands out blocks as the sequence crosses block
-boundaries and attention reads them through the table. What that indirection costs a decode step is
-what this strategy measures.
+Per layer, a pool of blocks for K and one for V, and per session one block table [B, max_blocks] of
+int32 block ids, shared by every layer as vLLM's is: position p of sequence b lives in block
+table[b, p // block_size] at row p % block_size. Why a strategy of its own: a serving engine does not
+know how long a sequence will get, so it cannot give it a contiguous table; it hands out blocks as the
+sequence crosses block boundaries and attention reads them through the table. What that indirection
+costs a decode step is what this strategy measures.
+
+Pool layout, per backend (the kernel that reads the pool decides it):
+- `c` and `torch`: head-major, [n_blocks, n_kv, block_size, D], as vLLM's own CUDA paged-attention
+  kernel keeps its K cache: one KV head's rows of a block are consecutive (block_size * D floats), so
+  the C kernel walks each (sequence, KV head) as runs of whole rows, block after block. Token-major
+  (below) puts a head's consecutive rows n_kv * D floats apart; on it the previous C kernel took
+  1.19-1.21x the contiguous kernel's time at block 16 and 1.12-1.15x at 64, where head-major with the
+  present kernel takes 1.07-1.10x and 1.01-1.03x (B=16, n_kv=2, G=2, D=64, 8192 tokens, 2 cores;
+  docs/performance.md). The gather (`torch`) copies each head's blocks as runs of block_size * D
+  floats, and SDPA then reads rows that are contiguous per head.
+- `flash_attn`: token-major, [n_blocks, block_size, n_kv, D]: flash_attn_with_kvcache's paged mode
+  takes no other.
 
 Allocation, decided here:
 - The pool is sized for every sequence at max_len (batch * ceil(max_len / block_size) blocks) and
@@ -25,9 +36,9 @@ Allocation, decided here:
 Attention kernels (`strategy.backend`):
 - `c`: decode steps through `cpu_paged_attention.c` (CPU, fp32), which reads each sequence's blocks in
   place through the table; the prompt goes through gather + SDPA.
-- `torch`: any device: the sequence's blocks are gathered into a contiguous [B, n_kv, L, D] copy
-  every call, then SDPA on the grouped queries (strategies.attention). Reads the cache twice and
-  writes it once per step: the cost of paging without a paged kernel.
+- `torch`: any device: the sequence's blocks are gathered into a contiguous [n_kv, B, L, D] copy
+  every call (viewed as [B, n_kv, L, D]), then SDPA on the grouped queries (strategies.attention).
+  Reads the cache twice and writes it once per step: the cost of paging without a paged kernel.
 - `flash_attn`: `flash_attn.flash_attn_with_kvcache(..., block_table=...)` (CUDA, fp16/bf16, the
   flash_attn package): appends the new K/V into the blocks and attends in one launch. FlashAttention 2
   takes paged caches only with block_size a multiple of 256, refused otherwise.
@@ -81,8 +92,9 @@ def c_kernel_unavailable(device: torch.device, dtype: torch.dtype, shape=None) -
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            length: int) -> torch.Tensor:
-    """q [B, n_kv, G, D]; k_pool, v_pool [n_blocks, block_size, n_kv, D]; block_table [B, max_blocks] int32
-    (its first ceil(length / block_size) columns are read) -> [B, n_kv, G, D].
+    """q [B, n_kv, G, D]; k_pool, v_pool head-major [n_blocks, n_kv, block_size, D] (any strides with the
+    last dimension contiguous); block_table [B, max_blocks] int32 (its first ceil(length / block_size)
+    columns are read) -> [B, n_kv, G, D].
 
     Softmax(q k^T / sqrt(D)) v over each sequence's positions 0..length-1, read through the table; the
     caller has checked `c_kernel_unavailable`.
@@ -95,27 +107,37 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         raise ValueError("pool rows must be contiguous")
     if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
         raise ValueError("the block table must be int32 with contiguous rows")
-    if block_table.shape[1] * k_pool.shape[1] < length:
-        raise ValueError(f"a table of {block_table.shape[1]} blocks of {k_pool.shape[1]} cannot hold {length} tokens")
+    if k_pool.shape[1] != n_kv or v_pool.shape[1] != n_kv or k_pool.shape[2:] != v_pool.shape[2:]:
+        raise ValueError(f"pools {tuple(k_pool.shape)} and {tuple(v_pool.shape)} are not head-major "
+                         f"[n_blocks, {n_kv}, block_size, {head_dim}]")
+    block_size = k_pool.shape[2]
+    if block_table.shape[1] * block_size < length:
+        raise ValueError(f"a table of {block_table.shape[1]} blocks of {block_size} cannot hold {length} tokens")
     q = q.contiguous()
     out = torch.empty_like(q)  # [B, n_kv, G, D]
-    strides = ctypes.c_int64 * 3
+    strides = ctypes.c_int64 * 3  # (block, head, row), in elements
     library.paged_decode_attention(
         q.data_ptr(), k_pool.data_ptr(), strides(*k_pool.stride()[:3]), v_pool.data_ptr(),
         strides(*v_pool.stride()[:3]), block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
-        batch, n_kv, group, length, k_pool.shape[1], head_dim, head_dim**-0.5, torch.get_num_threads(),
+        batch, n_kv, group, length, block_size, head_dim, head_dim**-0.5, torch.get_num_threads(),
     )
     return out
 
 
 def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """pool [n_blocks, block_size, n_kv, D], block_table [B, max_blocks] -> [B, n_kv, length, D]: a copy of
-    each sequence's first `length` positions in order (a view of the gathered copy, positions strided)."""
-    batch, block_size = block_table.shape[0], pool.shape[1]
+    """pool head-major [n_blocks, n_kv, block_size, D], block_table [B, max_blocks] -> [B, n_kv, length, D]:
+    a copy of each sequence's first `length` positions in order, gathered head by head into one
+    [n_kv, B, positions, D] buffer (each block a run of block_size * D floats) and viewed as
+    [B, n_kv, length, D], its rows contiguous per head."""
+    batch = block_table.shape[0]
+    n_kv, block_size, head_dim = pool.shape[1:]
     used = math.ceil(length / block_size)
-    gathered = pool.index_select(0, block_table[:, :used].reshape(-1))  # [B * used, block_size, n_kv, D]
-    rows = gathered.view(batch, used * block_size, *pool.shape[2:])  # [B, used * block_size, n_kv, D]
-    return rows[:, :length].transpose(1, 2)  # [B, n_kv, length, D]
+    ids = block_table[:, :used].reshape(-1)  # [B * used] sequence-major
+    gathered = torch.empty((n_kv, batch * used, block_size, head_dim), device=pool.device, dtype=pool.dtype)
+    for head in range(n_kv):  # per head: one index_select along dim 1 of pool.transpose(0, 1) ran 2x slower
+        torch.index_select(pool[:, head], 0, ids, out=gathered[head])
+    rows = gathered.view(n_kv, batch, used * block_size, head_dim)  # [n_kv, B, used * block_size, D]
+    return rows[:, :, :length].transpose(0, 1)  # [B, n_kv, length, D]
 
 
 class BlockTable:
@@ -148,23 +170,26 @@ class BlockTable:
         self.handed_out += self.batch * count
         self.blocks_per_sequence = needed
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """Flat pool rows [B * T] (block * block_size + offset) of positions start..end-1, sequence-major."""
-        if end - start == 1:  # a decode step: one column of the table, three small ops
-            column, offset = divmod(start, self.block_size)
-            return self.ids[:, column].long() * self.block_size + offset
+    def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids and rows in the block, [B * T] each (int64, sequence-major), of positions start..end-1."""
         positions = torch.arange(start, end, device=self.ids.device)  # [T]
         blocks = self.ids[:, positions // self.block_size].long()  # [B, T]
-        return (blocks * self.block_size + positions % self.block_size).reshape(-1)
+        return blocks.reshape(-1), (positions % self.block_size).repeat(self.batch)
 
 
 class PagedLayerCache:
-    """One layer's K and V pools, read and written through the session's BlockTable."""
+    """One layer's K and V pools, read and written through the session's BlockTable: head-major
+    [n_blocks, n_kv, block_size, D] for the `c` and `torch` backends, token-major
+    [n_blocks, block_size, n_kv, D] for `flash_attn` (the module docstring says why)."""
 
     def __init__(self, blocks: BlockTable, n_kv_heads: int, head_dim: int, device, dtype, backend: str):
-        shape = (blocks.n_blocks, blocks.block_size, n_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)  # [n_blocks, block_size, n_kv, D]
-        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)  # [n_blocks, block_size, n_kv, D]
+        self.head_major = backend != "flash_attn"
+        if self.head_major:
+            shape = (blocks.n_blocks, n_kv_heads, blocks.block_size, head_dim)
+        else:
+            shape = (blocks.n_blocks, blocks.block_size, n_kv_heads, head_dim)
+        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
         self.blocks = blocks
         self.backend = backend  # "c", "torch" or "flash_attn", resolved by the strategy
         if backend == "flash_attn":
@@ -189,6 +214,20 @@ class PagedLayerCache:
                 staged = torch.empty((len(chunk), *pool.shape[1:]), device=pool.device, dtype=pool.dtype)
                 pool.index_copy_(0, chunk, uniform_like_normal_(staged, 1.0, generator))
 
+    def write(self, k, v, start_pos: int) -> None:
+        """Store the new tokens' k/v [B, T, n_kv, D] at positions start_pos.. of the head-major pools."""
+        batch, seq_len, n_kv, head_dim = k.shape
+        if seq_len == 1:  # a decode step: one column of the table, one row of each of its blocks
+            column, offset = divmod(start_pos, self.blocks.block_size)
+            ids = self.blocks.ids[:, column].long()  # [B]
+            self.k_pool[:, :, offset].index_copy_(0, ids, k[:, 0])  # [n_blocks, n_kv, D] view <- [B, n_kv, D]
+            self.v_pool[:, :, offset].index_copy_(0, ids, v[:, 0])
+            return
+        blocks, rows = self.blocks.slots(start_pos, start_pos + seq_len)  # [B * T] each
+        # transpose(1, 2): a token-major view [n_blocks, block_size, n_kv, D] of the head-major pool.
+        self.k_pool.transpose(1, 2).index_put_((blocks, rows), k.reshape(-1, n_kv, head_dim))
+        self.v_pool.transpose(1, 2).index_put_((blocks, rows), v.reshape(-1, n_kv, head_dim))
+
     def attend(self, q, k, v, start_pos):
         batch, seq_len, n_heads, head_dim = q.shape
         end = start_pos + seq_len
@@ -199,10 +238,8 @@ class PagedLayerCache:
             # cache_seqlens and attends causally (bottom-right aligned) in the same launch.
             return self.flash_attn(q, self.k_pool, self.v_pool, k=k, v=v, cache_seqlens=self.seqlens,
                                    block_table=self.blocks.ids, causal=True)
-        rows = self.blocks.rows(start_pos, end)  # [B * T]
         n_kv = k.shape[2]
-        self.k_pool.view(-1, n_kv, head_dim).index_copy_(0, rows, k.reshape(-1, n_kv, head_dim))
-        self.v_pool.view(-1, n_kv, head_dim).index_copy_(0, rows, v.reshape(-1, n_kv, head_dim))
+        self.write(k, v, start_pos)
         if seq_len == 1 and self.backend == "c":
             # Query head h = kv * G + g, as in grouped_attention: [B, 1, H, D] -> [B, n_kv, G, D].
             grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)

@@ -3,12 +3,14 @@
 Exactness as in tests/test_exactness.py: fp32 greedy tokens equal to the no-cache reference's, at the
 three shape classes, under every backend that runs on a CPU; paged with block sizes that do not divide
 the sequence lengths, through a shuffled block table. The paged C kernel is checked against gather +
-SDPA on pools whose unused rows are NaN, so a read outside a sequence's blocks or past its length
-shows as NaN.
+SDPA on head-major pools (the `c` and `torch` layout) whose unused rows are NaN, so a read outside a
+sequence's blocks or past its length shows as NaN.
 """
 from __future__ import annotations
 
 import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,9 +100,10 @@ def test_warm_up_by_rewinding_leaves_the_tokens_alone(tiny, cls, options):
 # --- the paged C kernel -------------------------------------------------------------------------------
 
 def random_pool(batch, n_kv, head_dim, length, block_size, generator, spare_blocks=5, extra_columns=2):
-    """K/V of `length` tokens per sequence [B, n_kv, L, D], and paged copies of them: pools with NaN in
-    every row that is not one of a sequence's first `length` positions (rows past the length, spare
-    blocks, blocks named by table columns past the ones used) and a shuffled table."""
+    """K/V of `length` tokens per sequence [B, n_kv, L, D], and paged copies of them: head-major pools
+    [n_blocks, n_kv, block_size, D], as the `c` and `torch` backends keep them, with NaN in every row
+    that is not one of a sequence's first `length` positions (rows past the length, spare blocks,
+    blocks named by table columns past the ones used) and a shuffled table."""
     used = math.ceil(length / block_size)
     n_blocks = batch * (used + extra_columns) + spare_blocks
     ids = torch.randperm(n_blocks, generator=generator).to(torch.int32)
@@ -108,20 +111,21 @@ def random_pool(batch, n_kv, head_dim, length, block_size, generator, spare_bloc
     tensors = []
     for _ in range(2):
         dense = torch.randn(batch, n_kv, length, head_dim, generator=generator)  # [B, n_kv, L, D]
-        pool = torch.full((n_blocks, block_size, n_kv, head_dim), float("nan"))  # [n_blocks, bs, n_kv, D]
+        pool = torch.full((n_blocks, n_kv, block_size, head_dim), float("nan"))  # [n_blocks, n_kv, bs, D]
         for b in range(batch):
             for p in range(length):
-                pool[table[b, p // block_size], p % block_size] = dense[b, :, p]
+                pool[table[b, p // block_size], :, p % block_size] = dense[b, :, p]
         tensors += [dense, pool]
     return (*tensors, table)
 
 
 def kernel_cases():
-    # (batch, n_kv, group, head_dim, length, block_size): groups 1/4/8, head_dim 64/128, blocks 1/16/64,
-    # lengths short of, equal to and across block and chunk (64) boundaries, one a head_dim tail (24).
+    # (batch, n_kv, group, head_dim, length, block_size): groups 1/2/4/8, head_dim 64/128, blocks 1/16/64,
+    # lengths short of, equal to and across block and chunk (64) boundaries, one a head_dim tail (24);
+    # 3 x 2 and 5 x 1 (sequence, KV head) pairs split into runs of lanes that cross sequences, the last short.
     yield from [(2, 2, 4, 128, 1000, 16), (1, 2, 4, 64, 1, 16), (3, 2, 1, 64, 77, 1), (2, 1, 8, 128, 130, 64),
                 (2, 4, 4, 64, 64, 64), (1, 2, 8, 64, 200, 1), (2, 2, 1, 128, 17, 16), (1, 8, 4, 128, 129, 64),
-                (2, 2, 4, 24, 50, 16), (1, 1, 8, 128, 81, 16)]
+                (2, 2, 4, 24, 50, 16), (1, 1, 8, 128, 81, 16), (3, 2, 2, 64, 100, 16), (5, 1, 4, 64, 90, 16)]
 
 
 @needs_c_kernel
@@ -139,17 +143,18 @@ def test_paged_kernel_matches_gather_and_sdpa(batch, n_kv, group, head_dim, leng
 
 
 @needs_c_kernel
-@pytest.mark.parametrize("batch,n_kv", [(3, 8), (3, 2)])
+@pytest.mark.parametrize("batch,n_kv", [(3, 8), (3, 2), (5, 1)])
 def test_paged_kernel_output_does_not_depend_on_the_thread_count(batch, n_kv):
-    """The kernel groups KV heads into tasks by the thread count (here runs of 1 to 8 heads); each
-    row's arithmetic stays the same, so the outputs are equal bit for bit."""
+    """The kernel groups (sequence, KV head) pairs into tasks by the thread count (here runs of 1 to 4
+    lanes, some crossing sequences, the last of a split shorter); each row's arithmetic stays the
+    same, so the outputs are equal bit for bit."""
     generator = torch.Generator().manual_seed(3)
     _, k_pool, _, v_pool, table = random_pool(batch, n_kv, 64, 150, 16, generator)
     q = torch.randn(batch, n_kv, 4, 64, generator=generator)
     threads = torch.get_num_threads()
     outputs = []
     try:
-        for count in (1, 2, 3):
+        for count in (1, 2, 3, 4):
             torch.set_num_threads(count)
             outputs.append(paged_decode_attention(q, k_pool, v_pool, table, 150))
     finally:
@@ -163,8 +168,8 @@ def test_a_kernel_ignoring_the_table_would_be_caught():
     generator = torch.Generator().manual_seed(7)
     batch, n_kv, group, head_dim, length, block_size = 2, 2, 4, 64, 100, 16
     used = math.ceil(length / block_size)
-    k_pool = torch.randn(batch * used, block_size, n_kv, head_dim, generator=generator)
-    v_pool = torch.randn(batch * used, block_size, n_kv, head_dim, generator=generator)
+    k_pool = torch.randn(batch * used, n_kv, block_size, head_dim, generator=generator)  # head-major
+    v_pool = torch.randn(batch * used, n_kv, block_size, head_dim, generator=generator)
     shuffled = torch.randperm(batch * used, generator=generator).to(torch.int32).view(batch, used)
     identity = torch.arange(batch * used, dtype=torch.int32).view(batch, used)
     q = torch.randn(batch, n_kv, group, head_dim, generator=generator)
@@ -214,6 +219,31 @@ def test_paged_counts_the_blocks_handed_out(tiny, backend):
     ids = session.blocks.ids[:, :3].flatten()
     assert len(set(ids.tolist())) == 9  # no block handed out twice
     assert not torch.equal(ids.sort().values, ids)  # the pool order is shuffled
+
+
+@pytest.mark.parametrize("backend", ["c", "torch"])
+def test_paged_pools_are_head_major_for_the_cpu_kernels(tiny, backend):
+    """[n_blocks, n_kv, block_size, D] for `c` and `torch`, and a decode step writes its K/V into row
+    p % block_size of each head of block table[b, p // block_size]."""
+    model, prompt, _ = tiny  # 3 sequences of 20 prompt tokens
+    session = runnable(PagedStrategy, backend=backend, block_size=16).new_session(model, 3, 40)
+    session.prefill(prompt)
+    cache = session.layer_caches[0]
+    shape = (session.blocks.n_blocks, TINY.n_kv_heads, 16, TINY.resolved_head_dim)
+    assert cache.k_pool.shape == cache.v_pool.shape == shape and cache.k_pool.is_contiguous()
+    k, v = torch.randn(2, 3, 1, TINY.n_kv_heads, TINY.resolved_head_dim).unbind(0)  # [B, 1, n_kv, D] each
+    cache.write(k, v, 20)  # position 20: block column 1, row 4
+    block = session.blocks.ids[:, 1].long()
+    assert torch.equal(cache.k_pool[block, :, 4], k[:, 0]) and torch.equal(cache.v_pool[block, :, 4], v[:, 0])
+
+
+def test_paged_pools_are_token_major_for_flash_attn(monkeypatch):
+    """flash_attn_with_kvcache's paged mode takes [n_blocks, block_size, n_kv, D] only (the module is
+    stubbed: this checks the layout the cache allocates, on a CPU)."""
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_with_kvcache=None))
+    blocks = paged.BlockTable(2, 600, 256, CPU)
+    cache = paged.PagedLayerCache(blocks, 2, 8, CPU, torch.float32, "flash_attn")
+    assert cache.k_pool.shape == cache.v_pool.shape == (blocks.n_blocks, 256, 2, 8)
 
 
 def test_paged_fill_random_fills_exactly_the_blocks_of_a_prefill(tiny):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from harness.analysis import analytic
 from harness.analysis.hardware import Hardware, HardwareError, resolve
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import one_of, safe_name, validate_workload
+from harness.config.validate import bounded_tree, class_path, one_of, safe_name, validate_workload
 
 CONF_DIR = config_dir()
 FORMATS = ("table", "json")
@@ -143,6 +144,7 @@ def cache_layout(strategy, shape):
 
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
+        class_path("strategy._target_", strategy.get("_target_"))  # one line, not Hydra's logged three
         return get_class(strategy["_target_"])(**options).cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
@@ -156,6 +158,9 @@ def workload(cfg) -> tuple[ModelConfig, analytic.Roof, str, object]:
         validate_workload(cfg)
         one_of("format", cfg.format, FORMATS)
         safe_name("hardware.name", cfg.hardware.name)
+        if not str(cfg.results_dir).strip():
+            raise ConfigError("results_dir", "is empty: name the folder whose _calibration/ hardware=measured reads")
+        bounded_tree(OmegaConf.to_container(cfg, resolve=True))  # every other number: int64, finite
     except ConfigError as error:
         raise UsageError(str(error)) from None
     shape = model_config_from(cfg.model)
@@ -201,6 +206,17 @@ def render_table(figures: dict, header: str) -> str:
     return "\n".join(lines)
 
 
+def finite_figures(figures: dict) -> dict:
+    """The figures, each a finite number (or a string, or None for no cache): JSON has no NaN, and a
+    table of inf tells nothing. The inputs are bounded (validate_workload, Hardware.roof), so this only
+    guards the arithmetic."""
+    for key, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{key}: the analytic model gives {value} for these inputs; choose smaller sizes "
+                             "or other roofs")
+    return figures
+
+
 def main(argv: list[str]) -> int:
     try:
         cfg = compose(argv)
@@ -208,11 +224,19 @@ def main(argv: list[str]) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
-    figures = analytic.summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout)
+    try:
+        figures = finite_figures(analytic.summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout))
+    except ArithmeticError as error:  # OverflowError, ZeroDivisionError: inputs the bounds let through
+        print(f"hardware: the analytic model cannot be evaluated for these inputs ({type(error).__name__}: {error})",
+              file=sys.stderr)
+        return 2
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
     if cfg.format == "json":
         inputs = {"model": shape.name, "strategy": cfg.strategy._target_.rsplit(".", 1)[-1], "hardware": cfg.hardware.name, "roof_source": source, "dtype": cfg.dtype,
                   "batch": cfg.batch, "ctx": cfg.ctx, "decode_tokens": cfg.decode_tokens}
-        print(json.dumps({**inputs, **figures}, indent=2))
+        print(json.dumps({**inputs, **figures}, indent=2, allow_nan=False))
     else:
         header = (f"# {shape.name} on {source}; {cfg.dtype}, batch {cfg.batch}, ctx {cfg.ctx}, "
                   f"decode_tokens {cfg.decode_tokens}")

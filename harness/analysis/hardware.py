@@ -7,7 +7,6 @@ rather than guessing. No torch, no Hydra: the report uses this on any machine.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
@@ -16,10 +15,17 @@ import yaml
 
 from harness.analysis.analytic import DTYPE_BYTES, Roof
 from harness.config.paths import config_dir
+from harness.config.validate import ConfigError, positive_float
 from harness.store import calibration
 from harness.store.calibration import CALIBRATION_DIR, Calibration
 
 HARDWARE_DIR = config_dir() / "hardware"
+
+# Bounds of a roof (the shared check, harness.config.validate.positive_float). Far beyond any device in
+# both directions, and tight enough that no figure of the analytic model overflows a float for any
+# size the CLI accepts (a bandwidth of 1e-300 B/s made a step take infinitely long).
+BANDWIDTH_BOUNDS_BPS = (1.0, 1e18)  # 1 B/s .. 1 EB/s
+FLOPS_BOUNDS = (1.0, 1e21)  # 1 FLOP/s .. 1 ZFLOP/s
 
 # Substrings of torch.cuda.get_device_name() -> the datasheet config that describes that device.
 DATASHEET_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100_sxm", "A100": "a100_80g"}
@@ -41,9 +47,14 @@ class Hardware:
     memory_bytes: Optional[float] = None  # memory of one device (capacity planning); None where unknown
 
     def roof(self, dtype: str) -> Roof:
-        for name, value in [("bandwidth_Bps", self.bandwidth_Bps), *((f"flops.{k}", v) for k, v in self.flops.items())]:
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise HardwareError(f"hardware.{name}: must be a finite number above 0, got {value!r}")
+        for name, value, bounds in [("bandwidth_Bps", self.bandwidth_Bps, BANDWIDTH_BOUNDS_BPS),
+                                    *((f"flops.{k}", v, FLOPS_BOUNDS) for k, v in self.flops.items())]:
+            if value is None:
+                continue
+            try:
+                positive_float(f"hardware.{name}", value, *bounds)
+            except ConfigError as error:
+                raise HardwareError(str(error)) from None
         if self.bandwidth_Bps is None:
             raise HardwareError(f"hardware={self.name}: no bandwidth (no calibration record read)")
         if dtype not in self.flops:

@@ -2,13 +2,19 @@
 
 Types and unknown keys are enforced by the schemas (harness.config.schema) while Hydra composes; this
 module checks values: known names, sizes that are positive and fit a 64-bit integer, shapes that can
-exist, modes that fit the device. The runner and the analytic CLI call the same functions. Every
-failure is a ConfigError naming the key and what is allowed. A strategy checks its own options
-(strategies.base.Strategy); this module knows no strategy.
+exist, modes that fit the device, every number of the whole tree bounded (`bounded_tree`: integers
+fit int64, floats are finite, strategy options included), a `_target_` that imports (`class_path`),
+and the folders a tool reads (`input_folder`) or writes (`output_folder`). The runner, the analytic
+CLI and the report call the same functions. Every failure is a ConfigError naming the key and what
+is allowed. A strategy checks its own options (strategies.base.Strategy); this module knows no
+strategy.
 """
 from __future__ import annotations
 
+import importlib
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,6 +25,8 @@ MATMUL_KERNELS = ("auto", "aten", "onednn")
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
+INT64_MIN = -(2**63)
+CALIBRATION_BUDGET_MAX_S = 24 * 3600  # a day: beyond that a budget bounds nothing
 NAME_CHARACTERS = "letters, digits, '_', '-' and '.'"  # names become part of file names
 
 
@@ -40,9 +48,12 @@ def non_negative_int(key: str, value: Any) -> None:
         raise ConfigError(key, f"must be an integer from 0 to {INT64_MAX:,}, got {value!r}")
 
 
-def positive_float(key: str, value: Any) -> None:
+def positive_float(key: str, value: Any, at_least: float | None = None, at_most: float | None = None) -> None:
+    """A finite number above 0 (and within [at_least, at_most] where given)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(key, f"must be a finite number above 0, got {value!r}")
+    if (at_least is not None and value < at_least) or (at_most is not None and value > at_most):
+        raise ConfigError(key, f"must be a number from {at_least:g} to {at_most:g}, got {value!r}")
 
 
 def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -55,6 +66,90 @@ def safe_name(key: str, value: Any) -> None:
     text = str(value)
     if not text or text.startswith(".") or not all(c.isalnum() or c in "_-." for c in text):
         raise ConfigError(key, f"{text!r} cannot name a file; use {NAME_CHARACTERS}, not starting with '.'")
+
+
+def bounded_tree(tree: Any, prefix: str = "") -> None:
+    """Every number anywhere in a config (a plain container: OmegaConf.to_container(cfg, resolve=True))
+    is bounded: integers fit a 64-bit integer (rows are int64 columns, strategy options JSON read back
+    by int64 readers), floats are finite (JSON has no NaN or infinity). Booleans are not numbers here."""
+    if isinstance(tree, dict):
+        for name, value in tree.items():
+            bounded_tree(value, f"{prefix}.{name}" if prefix else str(name))
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            bounded_tree(value, f"{prefix}[{index}]")
+    elif isinstance(tree, bool):
+        return
+    elif isinstance(tree, int) and not INT64_MIN <= tree <= INT64_MAX:
+        raise ConfigError(prefix or "config", f"{tree} does not fit a 64-bit integer (at most {INT64_MAX:,})")
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        raise ConfigError(prefix or "config", f"must be a finite number, got {tree!r}")
+
+
+def class_path(key: str, target: Any) -> type:
+    """The class a `_target_` names (`package.module.Class`), imported; ConfigError in one line when it
+    is not one. (Hydra's own get_class logs a three-line error before raising.)"""
+    text = str(target) if target is not None else ""
+    module_name, _, attribute = text.rpartition(".")
+    parts = text.split(".")
+    if not module_name or not all(part.isidentifier() for part in parts):
+        raise ConfigError(key, f"{text!r} is not an import path 'package.module.Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or whatever the module raised while importing
+        raise ConfigError(key, f"cannot import {text!r}: {_first_line(error)}") from None
+    found = getattr(module, attribute, None)
+    if not isinstance(found, type):
+        raise ConfigError(key, f"cannot import {text!r}: module {module_name!r} has no class {attribute!r}")
+    return found
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _path_text(key: str, value: Any) -> str:
+    text = "" if value is None else str(value)
+    if not text.strip():
+        raise ConfigError(key, "is empty: name a folder (absolute, or relative to the working directory)")
+    if "\0" in text:
+        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name a folder")
+    return text
+
+
+def input_folder(key: str, value: Any) -> Path:
+    """A folder a tool reads: named, and an existing directory."""
+    path = Path(_path_text(key, value))
+    try:
+        is_dir = path.is_dir()
+    except OSError as error:
+        raise ConfigError(key, f"cannot read '{path}': {error.strerror}") from None
+    if not is_dir:
+        what = "a file, not a folder" if path.exists() else "no folder"
+        raise ConfigError(key, f"'{path}' is {what}")
+    return path
+
+
+def output_folder(key: str, value: Any) -> Path:
+    """A folder a tool writes into (created when missing): named, not a file, not under a file, and
+    writable where it (or its nearest existing parent) is. Nothing is created here."""
+    path = Path(_path_text(key, value))
+    absolute = Path(os.path.abspath(path))
+    try:
+        if absolute.exists() and not absolute.is_dir():
+            raise ConfigError(key, f"'{path}' is a file, not a folder")
+        existing = absolute
+        while not existing.exists():
+            existing = existing.parent
+    except OSError as error:
+        raise ConfigError(key, f"cannot use '{path}': {error.strerror}") from None
+    if not existing.is_dir():
+        raise ConfigError(key, f"'{path}' is under the file '{existing}', not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is read-only" if existing == absolute else f"cannot be created: '{existing}' is read-only"
+        raise ConfigError(key, f"'{path}' {where}")
+    return path
 
 
 def validate_model(model) -> None:
@@ -88,6 +183,17 @@ def validate_timing(timing) -> None:
         raise ConfigError("timing.warmup_max", f"must be >= max(timing.warmup_min, 1), got {timing.warmup_max}")
     positive_int("timing.warmup_max", timing.warmup_max, at_most=10_000)
     positive_float("timing.settle_tolerance", timing.settle_tolerance)
+    positive_int("timing.prefill_repeats", timing.prefill_repeats, at_most=1000)
+    positive_float("timing.prefill_budget_s", timing.prefill_budget_s)
+
+
+def _plain(cfg) -> Any:
+    """A composed config as plain containers, interpolations resolved (omegaconf imported only here)."""
+    if isinstance(cfg, (dict, list)):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def validate_workload(cfg) -> None:
@@ -104,6 +210,7 @@ def validate_run(cfg, cuda_available) -> None:
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
     validate_workload(cfg)
+    output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)
     one_of("device", cfg.device, DEVICES)
     one_of("dtype", cfg.dtype, DTYPES)
@@ -111,6 +218,12 @@ def validate_run(cfg, cuda_available) -> None:
     one_of("traffic", cfg.traffic, TRAFFIC_SOURCES)
     one_of("matmul", cfg.matmul, MATMUL_KERNELS)
     validate_timing(cfg.timing)
+    positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
+    strategy = cfg.strategy
+    if "_target_" not in strategy:
+        raise ConfigError("strategy", "no _target_: pick an option of conf/strategy/ (strategy=<name>)")
+    class_path("strategy._target_", strategy["_target_"])
+    bounded_tree(_plain(cfg))  # what no check above names: the strategy's options, any other number
 
     device = cfg.device
     if device == "cuda" and not cuda_available():

@@ -1,7 +1,9 @@
 """`python -m harness.report results_dir=<dir> [hardware=<datasheet>] [out=<folder>]`.
 
 hardware: the datasheet for rows with no calibration and no datasheet matching their device name.
-Bad input prints one line and exits 2.
+results_dir must be a folder and out (default <results_dir>/_report) a folder that can be written,
+checked as the runner checks its results_dir (harness.config.validate) before anything is written.
+Bad input, or a fault while writing (a full disk), prints one line and exits 2; Ctrl-C exits 130.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ def main(argv: list[str]) -> int:
     except ReportError as error:
         print(error, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: report.md and index.html are each whole (this report's or the previous one)",
+              file=sys.stderr)
+        return 130
     print(f"wrote {files.markdown} and {files.html} ({len(files.figures)} plots)")
     return 0
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from harness.analysis.hardware import available_hardware
+from harness.config.validate import ConfigError, input_folder, output_folder
 from harness.report import plots, tables
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.groups import Group, groups_of
@@ -116,6 +118,12 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
         "the share of that roof reached; what the plain cache saved against recomputing everything, in time "
         "and in FLOPs (the FLOP saving is always far larger: a cached step waits on bytes); and the peak "
         "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups)]
+    noisy = int(table["noisy"].fillna(False).astype(bool).sum()) if "noisy" in table else 0
+    if noisy:
+        blocks.append(Paragraph(
+            f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
+            "took the CPUs while they were timed, their steps spread too far, or they beat the roof (a roof "
+            "calibrated on a busy machine: re-run with `calibrate=true`). The full table names each reason."))
     for group in groups:
         blocks += _group_section(group, folder, sets_by_group[group.slug])
     blocks += [Heading("Roofs the predictions use"), Paragraph(
@@ -141,25 +149,47 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
 
 
 def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None) -> ReportFiles:
-    """Read every row of results_dir and write <out_dir>/report.md and index.html (and the PNGs)."""
-    results_dir = Path(results_dir)
-    if not results_dir.is_dir():
-        raise ReportError(f"results_dir: no folder at '{results_dir}'")
+    """Read every row of results_dir and write <out_dir>/report.md and index.html (and the PNGs).
+
+    Checked before anything is written, by the checks the runner uses (harness.config.validate):
+    results_dir a folder, out_dir (default <results_dir>/_report) a folder that can be written. A
+    fault while writing (a full disk) is a ReportError naming `out`, and report.md, rows.csv and
+    index.html are each replaced whole or not at all."""
+    try:
+        results_dir = input_folder("results_dir", results_dir)
+        folder = output_folder("out", out_dir) if out_dir is not None else results_dir / REPORT_DIR
+        if out_dir is None:
+            output_folder("results_dir", folder)
+    except ConfigError as error:
+        raise ReportError(str(error)) from None
     datasheets = [n for n in available_hardware() if n != "measured"]
     if fallback_hardware not in datasheets:
         raise ReportError(f"hardware: unknown datasheet '{fallback_hardware}', allowed: {', '.join(datasheets)}")
-    folder = Path(out_dir) if out_dir else results_dir / REPORT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
-        stale.unlink()
-    table = load(results_dir, fallback_hardware)
-    blocks = build_blocks(table, results_dir, folder)
-    files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
-                        figures=[b.path for b in blocks if isinstance(b, Figure)])
-    files.markdown.write_text(to_markdown(blocks))
-    rows_table = next(b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]) \
-        if not table.empty else None
-    if rows_table is not None:
-        pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(files.csv, index=False)
-    files.html.write_text(to_html(blocks, TITLE))
+    key = "out" if out_dir is not None else "results_dir"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
+            stale.unlink()
+        table = load(results_dir, fallback_hardware)
+        blocks = build_blocks(table, results_dir, folder)
+        files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
+                            figures=[b.path for b in blocks if isinstance(b, Figure)])
+        _write_whole(files.markdown, to_markdown(blocks))
+        rows_table = next(b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]) \
+            if not table.empty else None
+        if rows_table is not None:
+            _write_whole(files.csv, pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(index=False))
+        _write_whole(files.html, to_html(blocks, TITLE))
+    except OSError as error:
+        raise ReportError(f"{key}: cannot write the report to '{folder}': {error.strerror or error}") from None
     return files
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write to a temporary beside `path`, then rename it over: a reader never sees half a report."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

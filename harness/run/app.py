@@ -1,28 +1,49 @@
 """The Hydra app behind `python -m harness.run`: one point, or with -m / +sweep=<name>, a sweep.
 
-Pipeline per point: composed config -> Point (resolved once, by the plan) -> skip if its row exists ->
+Pipeline per point: composed config -> Point (resolved once, by the plan) -> skip if its row is
+finished (harness.store.files.finished_row: the file reads and holds one row), unless it failed
+(rerun_failed, true by default), another code state made it (rerun_other_code) or overwrite=true ->
 measure in its own process -> row (the point's dataclasses + measurement + analytic model + metadata)
 -> one Parquet file, atomically.
+
+Exit codes: 0 every point ran or was already there; 1 some point failed (its row says why; the rest
+went on); 2 bad input, nothing ran (one line `error: <key>: ...`); 3 a fault stopped the sweep
+(results_dir full or unwritable: one line, every row written so far whole, a re-run completes the
+sweep); 130 interrupted (Ctrl-C: one line, rows written so far whole).
 """
 from __future__ import annotations
 
-import logging
+import os
+import signal
 import sys
-from collections import Counter
-import time
-from dataclasses import dataclass, field
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
+if sys.argv and sys.argv[0].endswith(os.path.join("harness", "run", "__main__.py")):
+    # `python -m harness.run`: a Ctrl-C while torch and Hydra import (seconds, nothing written yet)
+    # ends in one line rather than an import traceback. main() puts the usual handler back.
+    def _interrupted_while_starting(signum, frame):
+        sys.stderr.write("interrupted while starting: nothing written\n")
+        os._exit(130)
 
-from harness.config import ConfigError, register_schemas
-from harness.measure.point import measure_point, not_run
-from harness.run import calibration
-from harness.run.isolation import run_inline, run_isolated
-from harness.run.plan import CONFIG_DIR, CONFIG_NAME, needs_preflight, plan
-from harness.run.resolve import cuda_available, point_from_config
-from harness.run.row import build_row
-from harness.store.files import finished_keys, remove_stale_temporaries, write_row
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import errno  # noqa: E402 (the handler above first: these imports take seconds)
+import logging  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+
+from harness.config import ConfigError, register_schemas  # noqa: E402
+from harness.measure.point import measure_point, not_run  # noqa: E402
+from harness.run import calibration  # noqa: E402
+from harness.run.isolation import PointInterrupted, run_inline, run_isolated, stop_fork_server  # noqa: E402
+from harness.run.metadata import git_commit, same_code  # noqa: E402
+from harness.run.plan import CONFIG_DIR, CONFIG_NAME, needs_preflight, plan  # noqa: E402
+from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
+from harness.run.row import build_row  # noqa: E402
+from harness.store.files import finished_row, finished_rows, remove_stale_temporaries, write_row  # noqa: E402
 
 log = logging.getLogger("harness")
 
@@ -36,6 +57,7 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     measured_seconds: list = field(default_factory=list)  # wall time of each point that ran
     statuses: Counter = field(default_factory=Counter)  # status -> count
+    written: int = 0  # rows this process wrote
 
     def eta_seconds(self) -> float | None:
         if not self.measured_seconds:
@@ -60,7 +82,8 @@ def roofs_for(cfg, point, run):
     key = (cfg.results_dir, point.device, point.dtype)
     if key not in CALIBRATIONS:
         try:
-            record, measured_now = calibration.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run)
+            record, measured_now = calibration.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
+                                                      budget_s=cfg.calibration_budget_s)
         except RuntimeError as error:
             log.warning(f"{error}; rows of {point.device}/{point.dtype} get no roofs")
             record, measured_now = None, False
@@ -110,15 +133,53 @@ def planned_point(cfg):
     return PlannedPoint(overrides, cfg, point, None)
 
 
+class SweepStopped(BaseException):
+    """A fault that ends the sweep (results_dir full or unwritable). A BaseException, so that Hydra's
+    job runner does not record it as one job's failure and go on to the next; main() says it in one
+    line."""
+
+
+def rerun_reason(row, cfg) -> str | None:
+    """Why a point whose row is finished is measured again, or None to keep its row."""
+    if cfg.overwrite:
+        return "overwrite=true"
+    if row.status == "failed" and cfg.rerun_failed:
+        return "its row failed (rerun_failed=false keeps failed rows)"
+    if cfg.rerun_other_code and not same_code(row.git_commit, git_commit()):
+        return f"its row was made by other code (git_commit {row.git_commit}; rerun_other_code=true)"
+    return None
+
+
+def _kept(row) -> str:
+    """The progress line's outcome for a point whose row is kept."""
+    outcome = "already measured, skipped (overwrite=true re-runs it)"
+    if row.status == "failed":
+        outcome = "already measured: failed, kept (rerun_failed=false)"
+    if not same_code(row.git_commit, git_commit()):
+        outcome += f"; made by other code (git_commit {row.git_commit}; rerun_other_code=true re-measures it)"
+    return outcome
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
 def run_point(cfg) -> None:
+    try:
+        _run_point(cfg)
+    except OSError as error:  # the results folder (a row, a calibration record) cannot be written
+        raise SweepStopped(error) from error
+
+
+def _run_point(cfg) -> None:
     planned = planned_point(cfg)
     point = planned.point
     PROGRESS.done += 1
-    if not cfg.overwrite and point.key in finished_keys(cfg.results_dir):
-        PROGRESS.statuses["already measured"] += 1
-        log.info(PROGRESS.line(point.label(), "already measured, skipped (overwrite=true re-runs it)"))
-        return
+    finished = finished_row(cfg.results_dir, point.key)
+    if finished is not None:
+        reason = rerun_reason(finished, cfg)
+        if reason is None:
+            PROGRESS.statuses["already measured"] += 1
+            log.info(PROGRESS.line(point.label(), _kept(finished)))
+            return
+        log.info(f"{point.label()}: measuring again: {reason}")
     run = run_isolated if cfg.isolate else run_inline
     roofs = roofs_for(cfg, point, run)
     began = time.monotonic()
@@ -130,6 +191,7 @@ def run_point(cfg) -> None:
         measured.update(measured_traffic(point))
     row = build_row(point, measured, roofs)
     write_row(cfg.results_dir, row)
+    PROGRESS.written += 1
     if row["status"] != "skipped":
         PROGRESS.measured_seconds.append(time.monotonic() - began)
     PROGRESS.statuses[row["status"]] += 1
@@ -138,20 +200,82 @@ def run_point(cfg) -> None:
         log.debug(measured["traceback"])
 
 
+def _is_full(error: BaseException) -> bool:
+    """Whether a fault (or what caused it) is a full disk or an exhausted quota."""
+    while error is not None:
+        if isinstance(error, OSError) and (error.errno in (errno.ENOSPC, errno.EDQUOT)
+                                           or "No space left on device" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _fault_line(error: BaseException, results_dir: str) -> str:
+    cause = error.__cause__ if isinstance(error, SweepStopped) and error.__cause__ else error
+    rows = f"{PROGRESS.written} rows"
+    if _is_full(error):
+        return (f"error: results_dir is full after {rows} ('{results_dir}': {_one_line(cause)}); every row written "
+                "is whole: free space and run the same command again to complete the sweep")
+    return (f"error: stopped after {rows} written to '{results_dir}': {_one_line(cause)}; every row written is "
+            "whole: fix it and run the same command again to complete the sweep")
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def folder_summary(results_dir: str) -> str:
+    """The closing line's account of the folder: its rows, how many failed, how many other code made."""
+    rows = finished_rows(results_dir)
+    statuses = Counter(row.status for row in rows.values())
+    current = git_commit()
+    other = sum(not same_code(row.git_commit, current) for row in rows.values())
+    text = f"'{results_dir}' holds {len(rows)} rows, {statuses.get('failed', 0)} failed"
+    if statuses.get("failed"):
+        text += " (the next run re-measures them; rerun_failed=false keeps them)"
+    if other:
+        text += (f"; {other} made by other code (git_commit is not {current}; rerun_other_code=true "
+                 "re-measures them)")
+    return text
+
+
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:]
     register_schemas()
-    if needs_preflight(argv):
-        try:
-            the_plan = plan(argv, cuda_available)
-        except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        PROGRESS.total = len(the_plan.jobs)
-        PLANNED.update({tuple(sorted(job.overrides)): job for job in the_plan.jobs})
-        for job in the_plan.jobs[:1]:
-            remove_stale_temporaries(job.config.results_dir)
-    run_point()
+    if not needs_preflight(argv):
+        run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        return 0
+    try:
+        the_plan = plan(argv, cuda_available)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted before the first point: nothing written", file=sys.stderr)
+        return 130
+    PROGRESS.total = len(the_plan.jobs)
+    PLANNED.update({tuple(sorted(job.overrides)): job for job in the_plan.jobs})
+    results_dir = the_plan.results_dir
+    # Faults reach this function (not Hydra's report, which prints a traceback), and a log file on a
+    # full disk drops its lines instead of printing logging's own tracebacks; the console keeps them.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    logging.raiseExceptions = False
+    try:
+        remove_stale_temporaries(results_dir)
+        run_point()
+    except (KeyboardInterrupt, PointInterrupted):
+        stop_fork_server()
+        print(f"interrupted: {PROGRESS.written} rows written to '{results_dir}', each whole; run the same "
+              "command again to complete the sweep", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as error:  # noqa: BLE001 - a fault of the output or of Hydra: one line
+        print(_fault_line(error, results_dir), file=sys.stderr)
+        return 3
     summary = ", ".join(f"{count} {status}" for status, count in sorted(PROGRESS.statuses.items()))
-    log.info(f"{PROGRESS.done} point(s) in {_clock(time.monotonic() - PROGRESS.started)}: {summary}")
+    log.info(f"{PROGRESS.done} point(s) in {_clock(time.monotonic() - PROGRESS.started)}: {summary}; "
+             f"{folder_summary(results_dir)}")
     return 1 if PROGRESS.statuses.get("failed") else 0

@@ -2,36 +2,71 @@
 
 Hydra composes each job of a multirun only when that job starts, so a bad value in the fifth point of
 a sweep would otherwise surface after four points were written. Here the whole sweep is expanded the
-way Hydra's BasicSweeper expands it (its own `split_arguments`), each job is composed with Hydra's
-compose API, validated and resolved into its Point (harness.run.resolve), and the first problem ends
-the run with one line and exit code 2, before a file is written. Each point is composed and resolved
-here once; Hydra's job then finds its Point by its overrides (harness.run.app). CPU points are also
-checked against free memory here, once. The expansion gives the sweep's length for the progress line.
+way Hydra's BasicSweeper expands it (its own `split_arguments`, with the config loader that glob()
+sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
+same checks the analytic CLI and the report use) and resolved into its Point (harness.run.resolve),
+and the first problem ends the run with one line and exit code 2, before a file is written. Each
+point is composed and resolved here once; Hydra's job then finds its Point by its overrides
+(harness.run.app). CPU points are also checked against free memory here, once. The expansion gives
+the sweep's length for the progress line.
+
+Where output goes is decided in one place: `results_dir`. Rows go there, Hydra's logs under its
+`_hydra/` (conf/config.yaml, each run's folder named by its start time and its host and process, so
+two sweeps started in the same second never share one). Nothing else may move them: an override of a
+Hydra key other than the few in HYDRA_KEYS_ALLOWED (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir,
+hydra.output_subdir, hydra.job_logging, ...), a preset that changes those settings, a flag that picks
+another config, or a results_dir that differs between the jobs of one sweep is refused. A launcher
+may be chosen (hydra/launcher=<option>, and its hydra.launcher.* options other than where it writes);
+its jobs may run in another working directory, so results_dir must then be absolute.
 """
 from __future__ import annotations
 
+import math
+import os
+import socket
 from dataclasses import dataclass
-from pathlib import Path
 
+import pyarrow as pa
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import ConfigError, validate_run
+from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
 from harness.measure.memory import shortfall
+from harness.measure.point import not_run
 from harness.run.resolve import point_from_config
+from harness.run.row import build_row
+from harness.store.schema import SCHEMA
 
 CONFIG_DIR = str(config_dir())
 CONFIG_NAME = "config"
 MULTIRUN_FLAGS = ("-m", "--multirun")
+RUN_FLAGS = ("-r", "--run")
 # Flags after which Hydra does something other than run points (help, print config, shell completion).
 PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                       "--shell-completion", "-sc", "--resolve", "--package", "-p")
+# Hydra keys a command line may set: none of them moves the working directory or the output.
+HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
+LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
+SCHEMA_SUFFIX = "_schema"  # harness.config.schema.register_schemas' entries: schemas, not presets
+# Hydra settings that decide where its files go or where a job runs: a preset may not change them.
+OUTPUT_SETTINGS = ("run.dir", "sweep.dir", "sweep.subdir", "job.chdir", "output_subdir",
+                   "job_logging.handlers.file.filename", "launcher.submitit_folder", "sweeper._target_")
+RUN_ID_RESOLVER = "harness_run_id"  # ${harness_run_id:} in conf/config.yaml's hydra.run.dir and sweep.dir
+
+
+def run_id() -> str:
+    """What tells apart two runs started in the same second: the host and the process."""
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+OmegaConf.register_new_resolver(RUN_ID_RESOLVER, run_id, replace=True)
 
 
 @dataclass
@@ -51,6 +86,11 @@ class Plan:
     multirun: bool  # one process runs several points
     jobs: list[PlannedPoint]  # every point, in Hydra's order
 
+    @property
+    def results_dir(self) -> str:
+        """The one folder every row and log of this command line goes to."""
+        return str(self.jobs[0].config.results_dir)
+
 
 def needs_preflight(argv: list[str]) -> bool:
     return not any(arg.split("=", 1)[0] in PASS_THROUGH_FLAGS for arg in argv)
@@ -62,35 +102,145 @@ def plan(argv: list[str], cuda_available) -> Plan:
     Raises ConfigError with one line naming the key and what is allowed.
     """
     register_schemas()
+    _check_flags(argv)
     overrides = [arg for arg in argv if not arg.startswith("-")]
     flag_multirun = any(arg in MULTIRUN_FLAGS for arg in argv)
-    parser = OverridesParser.create()
-    try:
-        parsed = parser.parse_overrides(overrides)
-    except HydraException as error:
-        raise ConfigError("command line", _first_line(error)) from None
-    sweeps = [o for o in parsed if o.is_sweep_override()]
-    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
-
+    flag_run = any(arg in RUN_FLAGS for arg in argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = _parse(parser, overrides)
+        _check_hydra_keys(parsed)
+        sweeps = [o for o in parsed if o.is_sweep_override()]
+        plain = [o.input_line for o in parsed if not o.is_sweep_override()]
         base = _compose(plain, with_hydra=True)
-        multirun = flag_multirun or str(base.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN")
+        launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
+        _check_output_settings(base, launcher)
+        if launcher and not os.path.isabs(str(base.results_dir)):
+            raise ConfigError("results_dir", f"'{base.results_dir}' is relative, and a launcher's jobs may run in "
+                                             "another working directory: give an absolute path")
+        multirun = flag_multirun or (not flag_run and str(base.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"))
         if sweeps and not multirun:
             raise ConfigError(sweeps[0].get_key_element(), "a list of values is a sweep: add -m (--multirun) to run each")
+        output_folder("results_dir", base.results_dir)  # Hydra's logs go there even before a job runs
         sweep_params = base.hydra.sweeper.get("params") if multirun else None
         params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
-        expanded = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
-        job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
+        expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+        _check_hydra_keys(expanded)
+        try:
+            job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
+        except HydraException as error:
+            raise ConfigError("command line", _first_line(error)) from None
+        if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
+            with open_dict(base):
+                del base["hydra"]
         jobs = []
         for job in job_overrides:
-            cfg = _compose(job, with_hydra=False)
-            validate_run(cfg, cuda_available)
-            point = point_from_config(cfg)
+            cfg = base if not multirun else _compose(job, with_hydra=False)
+            if str(cfg.results_dir) != str(base.results_dir):
+                raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
+                                                 "folder): set it once, outside the sweep, and run once per folder")
+            _check_job_options(job)
+            try:
+                validate_run(cfg, cuda_available)
+                point = point_from_config(cfg)
+            except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
+                raise _composition_error(error) from None
+            check_point(point)
             does_not_fit = shortfall(point) if point.device == "cpu" else None
             jobs.append(PlannedPoint(tuple(job), cfg, point, does_not_fit))
     if not multirun and does_not_fit is not None:
         raise ConfigError("model", f"{point.label()} {does_not_fit}; choose a smaller model, batch or ctx")
     return Plan(multirun=multirun, jobs=jobs)
+
+
+def check_point(point: Point) -> None:
+    """What only the resolved point can show: the strategy class's name becomes part of the row's file
+    name, and every value of its row (the analytic model's byte counts included) fits its column."""
+    name = point.strategy.name
+    try:
+        safe_name("strategy", name)
+    except ConfigError:
+        raise ConfigError("strategy._target_", f"{point.strategy.strategy_class}.name is {name!r}, which cannot "
+                                               f"name a file; a strategy's name uses {NAME_CHARACTERS}") from None
+    row = build_row(point, not_run("skipped", "planned"))
+    for field in SCHEMA:
+        value = row[field.name]
+        if value is None or isinstance(value, bool):
+            continue
+        if pa.types.is_integer(field.type) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            key = "model" if field.name == "weight_bytes" else "batch"
+            raise ConfigError(key, f"{point.label()}: the row's {field.name} would be {float(value):.3g}, beyond a "
+                                   f"64-bit integer; choose a smaller model, batch, ctx or decode_tokens")
+        if pa.types.is_floating(field.type) and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError("batch", f"{point.label()}: the row's {field.name} would be {value}; choose smaller sizes")
+
+
+def _check_flags(argv: list[str]) -> None:
+    """Flags Hydra would take to compose another config than the one the plan checks are refused."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if arg.startswith("-") and flag not in MULTIRUN_FLAGS + RUN_FLAGS + PASS_THROUGH_FLAGS:
+            raise ConfigError("command line", f"flag {flag!r} is not accepted (it would run another config than the "
+                                              "one checked, or is unknown); allowed: -m, --run, --help, --cfg, --info; "
+                                              "extra configs: hydra.searchpath=[file:///abs/folder]")
+
+
+def _parse(parser: OverridesParser, overrides: list[str]):
+    try:
+        return parser.parse_overrides(overrides)
+    except HydraException as error:
+        raise ConfigError("command line", _first_line(error)) from None
+
+
+def _check_hydra_keys(parsed) -> None:
+    """Only the Hydra keys that move nothing may be set (the output goes where results_dir says)."""
+    for override in parsed:
+        key = override.key_or_group
+        if not (key == "hydra" or key.startswith(("hydra.", "hydra/"))):
+            continue
+        if (key in HYDRA_KEYS_ALLOWED or key.startswith(LAUNCHER_OPTIONS)) and not override.is_sweep_override():
+            continue
+        raise ConfigError(key, "cannot be set: where rows and Hydra's logs go is decided by results_dir alone "
+                               f"(logs under <results_dir>/_hydra/); Hydra keys allowed: {', '.join(HYDRA_KEYS_ALLOWED)}, "
+                               f"{LAUNCHER_OPTIONS}*, one value each")
+
+
+def _check_job_options(job: list[str]) -> None:
+    """A glob() sweep over a config group also matches its schema (model_schema), which Hydra would
+    then run as a preset with every field missing."""
+    for override in job:
+        key, _, value = override.lstrip("+~").partition("=")
+        if "." not in key and value.endswith(SCHEMA_SUFFIX):
+            raise ConfigError(key, f"'{value}' is the group's schema, not a preset; in a glob() sweep exclude it: "
+                                   f"{key}='glob(*,exclude=*{SCHEMA_SUFFIX})'")
+
+
+def _output_settings(cfg) -> dict:
+    """OUTPUT_SETTINGS of a composed config (with its hydra node), interpolations unresolved, None
+    where absent."""
+    hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
+    settings = {}
+    for setting in OUTPUT_SETTINGS:
+        node = hydra_node
+        for part in setting.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        settings[setting] = node
+    return settings
+
+
+_SHIPPED_SETTINGS: dict[tuple[str, ...], dict] = {}  # launcher overrides -> OUTPUT_SETTINGS as shipped
+
+
+def _check_output_settings(composed, launcher: list[str]) -> None:
+    """A preset (a `# @package _global_` file, say on hydra.searchpath) may not move the output either:
+    each of OUTPUT_SETTINGS must be as conf/config.yaml ships it (with the same launcher chosen)."""
+    if tuple(launcher) not in _SHIPPED_SETTINGS:
+        _SHIPPED_SETTINGS[tuple(launcher)] = _output_settings(_compose(launcher, with_hydra=True))
+    found = _output_settings(composed)
+    for setting, expected in _SHIPPED_SETTINGS[tuple(launcher)].items():
+        if found[setting] != expected:
+            raise ConfigError(f"hydra.{setting}", f"changed to {found[setting]!r} (by an override or a preset): "
+                                                  "where rows and logs go is decided by results_dir alone")
 
 
 def _compose(overrides: list[str], with_hydra: bool):

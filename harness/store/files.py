@@ -6,12 +6,16 @@ only ever sees whole files; the temporary name starts with '.', which pyarrow's 
 our own glob both skip. A file's name ends in the point's key, so finding finished points is a
 directory listing plus a read of each candidate's footer: a file counts as finished only if it reads as
 Parquet and holds one row (a truncated file left by a full disk or a foreign writer is measured again).
+`finished_row(results_dir, key)` is that one definition, with the row's status and git_commit, which
+the runner needs to re-run failed rows and to report rows that other code made.
 """
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 import pyarrow as pa
@@ -19,6 +23,7 @@ import pyarrow.parquet as pq
 
 from harness.store.schema import SCHEMA
 
+KEY_PATTERN = re.compile(r"[0-9a-f]{16}")  # harness.config.point.Point.key
 KEY_IN_NAME = re.compile(r"__([0-9a-f]{16})\.parquet$")
 TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
 
@@ -27,19 +32,61 @@ def row_filename(row: dict) -> str:
     return f"{row['strategy']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
 
 
-def _holds_one_row(path: Path) -> bool:
+@dataclass(frozen=True)
+class FinishedRow:
+    """A row file that reads and holds one row: what a re-run needs to know of it."""
+
+    path: Path
+    status: Optional[str]  # ok | skipped | failed
+    git_commit: Optional[str]  # the code state that wrote it (harness.run.metadata.git_commit)
+
+
+def read_finished(path: Path) -> FinishedRow | None:
+    """The row of a finished file, or None when the file does not read as Parquet or does not hold
+    exactly one row (truncated, empty, another writer's)."""
     try:
-        return pq.ParquetFile(path).metadata.num_rows == 1
+        parquet = pq.ParquetFile(path)
+        if parquet.metadata.num_rows != 1:
+            return None
+        names = set(parquet.schema_arrow.names)
+        columns = [c for c in ("status", "git_commit") if c in names]
+        values = parquet.read(columns=columns).to_pylist()[0] if columns else {}
     except Exception:  # pyarrow raises several types for a damaged file
-        return False
+        return None
+    return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"))
+
+
+def _holds_one_row(path: Path) -> bool:
+    return read_finished(path) is not None
+
+
+def finished_row(results_dir: str | Path, key: str) -> FinishedRow | None:
+    """The finished row of the point with this key, or None: the one definition of a finished point
+    (a file whose name carries the key, that reads, and that holds one row)."""
+    folder = Path(results_dir)
+    if not KEY_PATTERN.fullmatch(key) or not folder.is_dir():
+        return None
+    for path in sorted(folder.glob(f"*__{key}.parquet")):
+        row = read_finished(path)
+        if row is not None:
+            return row
+    return None
+
+
+def finished_rows(results_dir: str | Path) -> dict[str, FinishedRow]:
+    """Key -> finished row, for every finished row file of the folder."""
+    folder = Path(results_dir)
+    rows = {}
+    for path in sorted(folder.glob("*.parquet")) if folder.is_dir() else ():
+        match = KEY_IN_NAME.search(path.name)
+        if match and match.group(1) not in rows and (row := read_finished(path)) is not None:
+            rows[match.group(1)] = row
+    return rows
 
 
 def finished_keys(results_dir: str | Path) -> set[str]:
     """Keys of the points that already have a complete row file."""
-    folder = Path(results_dir)
-    if not folder.is_dir():
-        return set()
-    return {m.group(1) for p in folder.glob("*.parquet") if (m := KEY_IN_NAME.search(p.name)) and _holds_one_row(p)}
+    return set(finished_rows(results_dir))
 
 
 def row_table(row: dict) -> pa.Table:
