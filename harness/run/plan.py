@@ -58,6 +58,9 @@ SCHEMA_SUFFIX = "_schema"  # harness.config.schema.register_schemas' entries: sc
 # Hydra settings that decide where its files go or where a job runs: a preset may not change them.
 OUTPUT_SETTINGS = ("run.dir", "sweep.dir", "sweep.subdir", "job.chdir", "output_subdir",
                    "job_logging.handlers.file.filename", "launcher.submitit_folder", "sweeper._target_")
+GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
+# Launchers whose jobs run on other hosts: a job checks its device and free memory there (harness.run.app).
+REMOTE_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
 RUN_ID_RESOLVER = "harness_run_id"  # ${harness_run_id:} in conf/config.yaml's hydra.run.dir and sweep.dir
 
 
@@ -66,7 +69,17 @@ def run_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
 
 
-OmegaConf.register_new_resolver(RUN_ID_RESOLVER, run_id, replace=True)
+# Cached: a launcher's job re-composes the config in its own process, and Hydra copies the parent's
+# resolver cache into it, so every job logs under the sweep's one folder (not one named by its own pid).
+OmegaConf.register_new_resolver(RUN_ID_RESOLVER, run_id, replace=True, use_cache=True)
+
+
+def gpus_for(device: str) -> int:
+    """GPUs a launcher's job asks for: one for a CUDA point (auto included), none for device=cpu."""
+    return 0 if device == "cpu" else 1
+
+
+OmegaConf.register_new_resolver(GPUS_RESOLVER, gpus_for, replace=True)
 
 
 @dataclass
@@ -115,6 +128,7 @@ def plan(argv: list[str], cuda_available) -> Plan:
         base = _compose(plain, with_hydra=True)
         launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
         _check_output_settings(base, launcher)
+        elsewhere = OmegaConf.select(base, "hydra.launcher._target_") in REMOTE_LAUNCHERS
         if launcher and not os.path.isabs(str(base.results_dir)):
             raise ConfigError("results_dir", f"'{base.results_dir}' is relative, and a launcher's jobs may run in "
                                              "another working directory: give an absolute path")
@@ -141,12 +155,12 @@ def plan(argv: list[str], cuda_available) -> Plan:
                                                  "folder): set it once, outside the sweep, and run once per folder")
             _check_job_options(job)
             try:
-                validate_run(cfg, cuda_available)
+                validate_run(cfg, (lambda: True) if elsewhere else cuda_available)
                 point = point_from_config(cfg)
             except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
                 raise _composition_error(error) from None
             check_point(point)
-            does_not_fit = shortfall(point) if point.device == "cpu" else None
+            does_not_fit = shortfall(point) if point.device == "cpu" and not elsewhere else None
             jobs.append(PlannedPoint(tuple(job), cfg, point, does_not_fit))
     if not multirun and does_not_fit is not None:
         raise ConfigError("model", f"{point.label()} {does_not_fit}; choose a smaller model, batch or ctx")
