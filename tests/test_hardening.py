@@ -492,7 +492,7 @@ def assert_whole(results: Path, written: int) -> None:
 
 @pytest.mark.skipif(not MOUNTABLE, reason="needs root and mount for a 200 KiB tmpfs (see the simulated test)")
 def test_a_full_disk_stops_the_sweep_in_one_line(tmp_path, tmpfs):
-    results = seeded(tmpfs(tmp_path / "full", "size=200k"))
+    results = seeded(tmpfs(tmp_path / "full", "size=120k"))  # a row is ~55 KB: room for one or two
     result = cli("-m", *FAST, "batch=1,2,3,4,5,6,7,8", f"results_dir={results}")
     assert result.returncode == 3, result.stderr
     line = only_line(result.stderr)
@@ -508,18 +508,18 @@ def test_a_full_disk_simulated_stops_the_sweep_in_one_line(tmp_path):
               "real, calls = os.fsync, []\n"
               "def fsync(fd):\n"
               "    calls.append(fd)\n"
-              "    if len(calls) > 2: raise OSError(errno.ENOSPC, 'No space left on device')\n"
+              "    if len(calls) > 1: raise OSError(errno.ENOSPC, 'No space left on device')\n"
               "    real(fd)\n"
               "os.fsync = fsync\n"
-              f"sys.argv = ['harness/run/__main__.py', '-m', *{FAST!r}, 'batch=1,2,3,4', 'results_dir={results}']\n"
+              f"sys.argv = ['harness/run/__main__.py', '-m', *{FAST!r}, 'batch=1,2,3', 'results_dir={results}']\n"
               "from harness.run.app import main\n"
               "sys.exit(main())\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 3, result.stderr
-    assert only_line(result.stderr).startswith("error: results_dir is full after 2 rows")
-    assert_whole(results, 2)
+    assert only_line(result.stderr).startswith("error: results_dir is full after 1 rows")
+    assert_whole(results, 1)
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
