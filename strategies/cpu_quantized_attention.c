@@ -6,20 +6,22 @@
  * Why dequantize in the kernel: a quantized cache is worth having because a step reads 1 (int8, fp8)
  * or 0.5 (int4) bytes per cached element instead of 4. Dequantizing the prefix into an fp32 copy first
  * (the torch backend) reads the quantized bytes, then writes and reads 4 bytes per element: more
- * traffic than the fp32 cache it replaces. Here each block of BLOCK rows is dequantized into a tile
- * that stays in L1 and is consumed at once.
+ * traffic than the fp32 cache it replaces. Here the codes are decoded in registers and used at once.
  *
  * Structure as cpu_decode_attention.c: one task per (sequence, KV head) over torch's OpenMP threads; per
  * task, blocks of keys with an online softmax so each row is read once. Two segments per task: the
- * quantized prefix, dequantized block by block, then the residual window's fp32 rows read in place.
- * Where cpu_decode_attention.c is limited by DRAM, this kernel reads 4-8x fewer bytes and is limited
- * by instructions, so its vector path (AVX-512, else AVX2) differs where that mattered, measured on the
- * 2-core Xeon here: eight key rows' dot products share their horizontal sums, and the value sums keep
- * 8 accumulators in flight (with two, as there, the loop ran at the FMA's latency). Other head widths
- * and group sizes take the generic path (cpu_decode_attention.c's block routines, copied: each kernel
- * is one source, and its build key hashes that source alone). Measured there at B=16, n_kv=2, G=2,
- * D=64, 4096 tokens: int8 2.4-2.7 ms against fp32's 4.1-4.3 ms (1.6-1.8x), int4 1.3-1.6x, fp8 1.4-1.7x;
- * still instruction-bound (7 GB/s of quantized bytes), so int4's halved bytes buy little more.
+ * quantized prefix, then the residual window's fp32 rows read in place. Reading 4-8x fewer bytes than
+ * cpu_decode_attention.c, the kernel is bound by instructions as much as by DRAM, so its vector path
+ * (AVX-512, else AVX2; head widths of multiples of 32) does the least per code it can (see "The vector
+ * path" below): no dequantized tile, scales applied to the dot products and folded into the softmax
+ * weights, int4 decoded by a permute from a 16-entry table, tiles of rows x heads whose sums share one
+ * transposing reduction, its own vector exp, prefetch spread over the rows. Measured on the 2-core Xeon
+ * here at B=16, n_kv=2, G=2, D=64, 4096 tokens (best of 20, against cpu_decode_attention.c's 4.2-4.5
+ * ms): int8 1.3-1.4 ms (3.2x), int4 1.15-1.35 ms (3.4-3.8x), fp8 1.4-1.6 ms (2.8-3.0x); the tile
+ * version before it took 2.3-2.7 ms. Other head widths and int4 groups take the generic path
+ * (cpu_decode_attention.c's block routines, copied: each kernel is one source, and its build key hashes
+ * that source alone). quantize_rows (at the end) is the write side: a step's new rows quantized as
+ * strategies/quantization.py does, bit for bit.
  *
  * Layout (strategies/quantization.py): payload rows of one (sequence, head) at a byte stride; int8 and
  * fp8 one byte per channel; int4 channel 2i in the low nibble of byte i and 2i + 1 in the high one,
@@ -59,8 +61,8 @@ typedef struct { /* one quantized table (K or V) of one (sequence, KV head) */
     int64_t scale_row;      /* floats between scale rows */
 } QuantizedRows;
 
-/* ---- Vector primitives: LANES floats per vector. Codes to floats: int8 sign-extended; int4 nibbles
- * (biased 0..15, the -8 applied with the scale); fp8 e4m3's 7 magnitude bits put under an fp16
+/* ---- Vector primitives: LANES floats per vector. Codes to floats: int8 sign-extended (int4: in the
+ * vector path below); fp8 e4m3's 7 magnitude bits put under an fp16
  * exponent (bits 13..7) with the sign at bit 15 are, as fp16, the e4m3 value / 2^8, subnormals
  * included, which F16C converts exactly (the 2^8 applied with the scale). ---- */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -731,7 +733,9 @@ void quantized_decode_attention(const float *q, const uint8_t *k_payload, const 
                                 float *out, int64_t batch, int64_t n_kv, int64_t group, int64_t quantized_length,
                                 int64_t window_length, int64_t dim, int format, int64_t span, int64_t key_block,
                                 float scale, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+    /* Tasks handed out one at a time: equal work, but on a shared machine one core is often slowed for a
+     * while (10-15% faster at the benchmarks' 32 tasks on 2 threads than a static split). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < batch * n_kv; task++) {
         int64_t b = task / n_kv, h = task % n_kv;
         QuantizedRows keys = {k_payload + b * k_strides[0] + h * k_strides[1], k_strides[2],
@@ -744,3 +748,58 @@ void quantized_decode_attention(const float *q, const uint8_t *k_payload, const 
                    window_strides[2], window_length, out + task * group * dim, group, dim, scale);
     }
 }
+
+/* ---- Quantizing a step's new rows (QuantizedLayerCache._store, token-axis scales): what
+ * strategies/quantization.py's quantize_per_token computes, bit for bit, in one call instead of ~12
+ * torch ops per table (~1.5 ms a step at 4 layers). Compiled without -ffast-math: x / s and amax / max
+ * are IEEE divisions (as torch's), not products with a reciprocal. ---- */
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
+/* x / s in [-448, 448] -> e4m3fn, round to nearest even (as torch's float8_e4m3fn conversion). */
+static uint8_t to_e4m3(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    float magnitude = fabsf(x);
+    if (magnitude < 0.015625f) return sign | (uint8_t)nearbyintf(magnitude * 512.0f); /* below 2^-6: m x 2^-9 */
+    uint32_t rest = bits & 0x7FFFFFFFu;
+    rest = (rest + 0x7FFFFu + ((rest >> 20) & 1)) & ~0xFFFFFu; /* 3 mantissa bits, ties to even */
+    return sign | (uint8_t)((((rest >> 23) - 120) << 3) | ((rest >> 20) & 7));
+}
+
+/* Rows t of x [B, n_kv, n, D] (fp32, strides x_strides in floats, channels contiguous) quantized into
+ * table rows start + t: payload [B, n_kv, S, W] (byte strides), scales [B, n_kv, S, D / span] (float
+ * strides). Scale s = amax / code_max over each span (0 kept; divided by the smallest normal instead). */
+void quantize_rows(const float *x, const int64_t *x_strides, int64_t batch, int64_t n_kv, int64_t n, int64_t dim,
+                   int format, int64_t span, uint8_t *payload, const int64_t *payload_strides, float *scales,
+                   const int64_t *scale_strides, int64_t start) {
+    const float code_max = format == FORMAT_INT8 ? 127.0f : format == FORMAT_INT4 ? 7.0f : 448.0f;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < n_kv; h++)
+            for (int64_t t = 0; t < n; t++) {
+                const float *row = x + b * x_strides[0] + h * x_strides[1] + t * x_strides[2];
+                uint8_t *out = payload + b * payload_strides[0] + h * payload_strides[1] +
+                               (start + t) * payload_strides[2];
+                float *scale = scales + b * scale_strides[0] + h * scale_strides[1] + (start + t) * scale_strides[2];
+                for (int64_t c0 = 0; c0 < dim; c0 += span) {
+                    float amax = 0.0f;
+                    for (int64_t d = c0; d < c0 + span; d++) amax = fabsf(row[d]) > amax ? fabsf(row[d]) : amax;
+                    float s = amax / code_max, divisor = s > FLT_MIN ? s : FLT_MIN;
+                    scale[c0 / span] = s;
+                    for (int64_t d = c0; d < c0 + span; d++) {
+                        float q = row[d] / divisor;
+                        q = q < -code_max ? -code_max : q > code_max ? code_max : q;
+                        if (format == FORMAT_FP8_E4M3) {
+                            out[d] = to_e4m3(q);
+                        } else {
+                            int code = (int)nearbyintf(q);
+                            if (format == FORMAT_INT8) out[d] = (uint8_t)(int8_t)code;
+                            else if (d % 2 == 0) out[d / 2] = (uint8_t)(code + 8);
+                            else out[d / 2] |= (uint8_t)((code + 8) << 4);
+                        }
+                    }
+                }
+            }
+}
+#pragma GCC pop_options

@@ -24,9 +24,10 @@ the tables (all but the window part). Decode steps (what is measured) read only 
 including the new token's quantized K/V when residual is 0.
 
 Attention kernels (`strategy.backend`):
-- `c` (CPU, fp32): cpu_quantized_attention.c dequantizes each block of rows inside the kernel (a step
-  reads the quantized bytes, never a dequantized copy) and reads the window's fp32 rows in the same
-  call (one online softmax over both segments). All formats and both key axes.
+- `c` (CPU, fp32): cpu_quantized_attention.c decodes the codes inside the kernel (a step reads the
+  quantized bytes, never a dequantized copy) and reads the window's fp32 rows in the same call (one
+  online softmax over both segments). All formats and both key axes. Its quantize_rows also quantizes
+  what a step writes to token-axis tables (bit-exact with quantization.quantize_per_token).
 - `torch` (any device, dtype): dequantize the filled prefix to the compute dtype, append the window,
   SDPA (strategies.attention).
 - `auto` (default): `c` where it can run, else `torch`. Rows name the kernel that ran.
@@ -55,6 +56,9 @@ QUANTIZED_KERNEL = CKernel("cpu_quantized_attention.c", {
     "quantized_decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, STRIDES, POINTER, STRIDES,
                                    POINTER, POINTER, STRIDES, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE,
                                    ctypes.c_int, SIZE, SIZE, ctypes.c_float, ctypes.c_int],
+    # x, x_strides, batch, n_kv, n, dim, format, span, payload, payload_strides, scales, scale_strides, start
+    "quantize_rows": [POINTER, STRIDES, SIZE, SIZE, SIZE, SIZE, ctypes.c_int, SIZE, POINTER, STRIDES, POINTER,
+                      STRIDES, SIZE],
 })
 FP8_NAN_CODE = 0x7F  # e4m3fn's NaN (with either sign); random payloads must avoid it
 
@@ -107,18 +111,42 @@ class QuantizedLayerCache:
         return length - length % residual if residual else length
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Quantize k, v [B, n_kv, n, D] into table rows start..start+n (whole blocks on the channel axis)."""
+        """Quantize k, v [B, n_kv, n, D] into table rows start..start+n (whole blocks on the channel axis).
+        With the C kernel, token-axis tables are quantized by its quantize_rows (the same bits as
+        quantization.quantize_per_token, one call instead of ~12 torch ops a table)."""
         end = start + k.shape[2]
+        channel_keys = self.spec.key_axis == "channel"
+        if self.use_c_kernel:
+            self._c_quantize(v, self.v_payload, self.v_scales, self._c_strides[2:4], start)
+            if not channel_keys:
+                self._c_quantize(k, self.k_payload, self.k_scales, self._c_strides[0:2], start)
+                return
+        else:
+            v_payload, v_scales = self.spec.quantize_values(v)
+            self.v_payload[:, :, start:end] = v_payload
+            self.v_scales[:, :, start:end] = v_scales
         k_payload, k_scales = self.spec.quantize_keys(k)
-        v_payload, v_scales = self.spec.quantize_values(v)
         self.k_payload[:, :, start:end] = k_payload
-        self.v_payload[:, :, start:end] = v_payload
-        self.v_scales[:, :, start:end] = v_scales
-        if self.spec.key_axis == "channel":
+        if channel_keys:
             residual = self.spec.residual
             self.k_scales[:, :, start // residual:end // residual] = k_scales
         else:
             self.k_scales[:, :, start:end] = k_scales
+
+    def _c_quantize(self, x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, strides, start: int) -> None:
+        """x [B, n_kv, n, D] quantized per token into rows start..start+n of payload and scales (C kernel)."""
+        x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        batch, n_kv, n, head_dim = x.shape
+        width = quantization.payload_width(self.spec.format, head_dim)
+        if start + n > payload.shape[2] or x.shape[:2] != payload.shape[:2] or width != payload.shape[3]:
+            raise ValueError(f"rows {start}..{start + n} of shape {tuple(x.shape)} do not fit the table "
+                             f"{tuple(payload.shape)}")
+        payload_strides, scale_strides = strides
+        QUANTIZED_KERNEL.library().quantize_rows(
+            x.data_ptr(), _strides(x), batch, n_kv, n, head_dim, FORMAT_CODES[self.spec.format],
+            self.spec.span(head_dim), payload.data_ptr(), payload_strides, scales.data_ptr(), scale_strides, start)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> int:
         """Store the new tokens' k/v [B, n_kv, T, D] at start_pos..; returns the filled length."""

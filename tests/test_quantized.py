@@ -137,6 +137,17 @@ def kernel_cases():
                 ("int8", 32, "token", 16, 1, 2, 4, 64, 96), ("int4", 32, "channel", 32, 2, 2, 4, 64, 110),
                 ("int4", 8, "channel", 8, 1, 2, 2, 16, 43), ("fp8_e4m3", 32, "channel", 16, 2, 1, 8, 64, 70),
                 ("int8", 32, "channel", 8, 1, 2, 32, 8, 30)]
+    # The vector path's tiles: heads in slices of 4, 2 or 1 (group 2 is the benchmarks' shape), rows past
+    # a partial tile, blocks of 64 and their tails, value slices of 1..4 chunks (head_dim 96: 3), query
+    # groups of 8 and more (value accumulators for 8 heads), key blocks shorter than a tile and not
+    # dividing the kernel's block (channel axis).
+    yield from [("int8", 32, "token", 0, 2, 2, 2, 64, 300), ("int4", 32, "token", 0, 2, 2, 2, 64, 300),
+                ("fp8_e4m3", 32, "token", 0, 2, 2, 2, 64, 300), ("int8", 32, "token", 0, 1, 2, 1, 64, 129),
+                ("int4", 32, "token", 0, 1, 1, 3, 96, 71), ("int8", 32, "token", 0, 1, 1, 6, 128, 65),
+                ("fp8_e4m3", 32, "token", 0, 1, 1, 8, 32, 17), ("int4", 64, "token", 24, 1, 2, 16, 128, 200),
+                ("int8", 32, "token", 32, 2, 1, 2, 64, 250), ("int4", 32, "channel", 4, 1, 2, 2, 64, 150),
+                ("int8", 32, "channel", 48, 1, 1, 4, 96, 200), ("fp8_e4m3", 32, "channel", 12, 1, 2, 5, 32, 100),
+                ("int4", 32, "token", 0, 1, 1, 32, 64, 40)]
 
 
 @needs_c
@@ -158,8 +169,38 @@ def test_c_kernel_matches_dequantize_then_sdpa(fmt, group_size, key_axis, residu
         cache.k_window[:, :, length - quantized:] = float("nan")
         cache.v_window[:, :, length - quantized:] = float("nan")
     q = random_rows(batch, n_kv, group, head_dim, seed=3)  # [B, n_kv, G, D]
-    expected = F.scaled_dot_product_attention(q, *cache.read(length))
+    # The reference in float64 on the values as stored: fp32 SDPA's own error reaches ~2e-5 at head_dim 128.
+    expected = F.scaled_dot_product_attention(q.double(), *(t.double() for t in cache.read(length))).float()
     torch.testing.assert_close(cache.c_attention(q, length), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("fmt,group_size", [("int8", 32), ("int4", 32), ("int4", 8), ("fp8_e4m3", 32)])
+def test_c_quantize_rows_is_bit_exact_with_quantize_per_token(fmt, group_size):
+    """The C backend's writes (quantize_rows) store the bits quantization.quantize_per_token computes:
+    rows of all zeros, signed zeros, subnormal scales, values on the codes' rounding ties (int8 and int4:
+    halves; fp8: midpoints between neighbouring e4m3 values, at scale 1)."""
+    spec = QuantSpec(fmt, group_size)
+    head_dim, length = 64, 120
+    x = random_rows(2, length, 2, head_dim, seed=4) * 4  # [B, T, n_kv, D] as a step's k before its transpose
+    x[0, :3] = 0.0
+    x[1, 3, 1, :8] = -0.0
+    x[1, 4:8] *= 1e-39
+    x[0, 8:16] = torch.randint(-254, 255, (8, 2, head_dim)).float() / 2
+    if fmt == "fp8_e4m3":
+        codes = torch.arange(0, 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448 - 1 step
+        midpoints = torch.cat(((codes[1:] + codes[:-1]) / 2, -(codes[1:] + codes[:-1]) / 2))  # 250 ties
+        x[1, 16:20, :, 1:] = midpoints.repeat(3)[:4 * 2 * 63].view(4, 2, 63)
+        x[1, 16:20, :, 0] = 448.0  # amax 448: scale 1, so x / s is the tie itself
+    k = x.transpose(1, 2)  # [B, n_kv, T, D], a strided view as attend passes it
+    cache = QuantizedLayerCache(2, 2, length, head_dim, CPU, torch.float32, spec, use_c_kernel=True)
+    cache._store(k[:, :, :100], k[:, :, :100], 0)  # a prompt's rows, then single steps
+    for position in range(100, length):
+        cache._store(k[:, :, position:position + 1], k[:, :, position:position + 1], position)
+    payload, scales = quantize_per_token(k, fmt, spec.span(head_dim))
+    for table, table_scales in ((cache.k_payload, cache.k_scales), (cache.v_payload, cache.v_scales)):
+        assert torch.equal(table.view(torch.uint8), payload.view(torch.uint8))
+        assert torch.equal(table_scales, scales)
 
 
 # ---- whole sessions ----
