@@ -595,7 +595,7 @@ class FixedTimer:
 
 
 def test_the_calibration_gemm_shrinks_to_its_budget():
-    from harness.run.calibration import _gemm_size
+    from harness.measure.roofs import _gemm_size
 
     cpu = torch.device("cpu")
     # fp16 on a CPU without fp16 units: 0.08 s for 256^3, so 2048^3 takes 41 s and ten repeats 450 s

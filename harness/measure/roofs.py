@@ -1,47 +1,65 @@
 """The calibration kernels: the read bandwidth decode sees and the matmul rate, per device and dtype.
+
 Bandwidth: the best of the read-dominated kernels over data several times the last-level cache (L3
 is 32-105 MiB on the CPUs here, L2 at most 60 MB on H100/H200): a full reduction (a pure stream), a
 matrix-vector product (what a decode step's weight reads are), and on a CPU where oneDNN can pack the
 dtype, the same product through oneDNN's packed linear (the kernel the harness's CPU decode uses,
 which reads faster than aten's: a roof below the kernel in use would give fractions above 1). Matmul: a square GEMM in the dtype.
-Each kernel runs once to warm up, then `REPEATS` times; the best time stands, because on a shared
+Each kernel runs once to warm up, then up to `REPEATS` times within its share of the calibration's
+wall-time budget (the GEMM shrinks to fit its share); the best time stands, because on a shared
 machine noise only ever makes a kernel slower than the hardware allows.
 """
 from __future__ import annotations
 
 import socket
+import time
 from datetime import datetime, timezone
 
 from harness.store.calibration import Calibration
 
 REPEATS = 10
 READ_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}  # data streamed per read kernel
-MATMUL_N = {"cpu": 2048, "cuda": 8192}  # square GEMM size
+MATMUL_N = {"cpu": 2048, "cuda": 8192}  # square GEMM size, halved to fit the budget where needed
+KERNELS = 4  # the budget is shared by: sum, matrix-vector, packed matrix-vector, GEMM
+PROBE_N = 256  # the GEMM first timed at this size, to choose the largest size that fits its share
 
 
-def measure(device_and_dtype: tuple[str, str]) -> Calibration:
-    """Run the calibration kernels (call it in a process of its own: it allocates ~1.5 READ_BYTES)."""
+def measure_within(request: tuple[str, str, float]) -> Calibration:
+    """The calibration kernels, within a wall-time budget (run it in a process of its own: it
+    allocates ~1.5 READ_BYTES). `request` is (device, dtype, budget in seconds)."""
     import torch
 
     from harness.measure.device import device_name
     from harness.measure.timing import StepTimer
     from harness.model.cpu_linear import onednn_supports
 
-    device_type, dtype_name = device_and_dtype
+    device_type, dtype_name, budget_s = request
     device, dtype = torch.device(device_type), getattr(torch, dtype_name)
     timer = StepTimer(device)
+    share = budget_s / KERNELS
+    repeats: list[int] = []
 
     def best_seconds(kernel) -> float:
+        """Warm up once, then up to REPEATS timed runs, stopping when the kernel's share is spent."""
+        start = time.monotonic()
         kernel()
-        return min(timer.time(kernel)[1] for _ in range(REPEATS))
+        times = [timer.time(kernel)[1]]
+        while len(times) < REPEATS and time.monotonic() - start < share:
+            times.append(timer.time(kernel)[1])
+        repeats.append(len(times))
+        return min(times)
 
     read_bytes = READ_BYTES[device_type]
     sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
     with_packed = device_type == "cpu" and onednn_supports(dtype_name)
     gemv_bw, packed_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed)
-    n = MATMUL_N[device_type]
+    read_repeats = list(repeats)
+
+    full_n = MATMUL_N[device_type]
+    n = _gemm_size(full_n, share, device, dtype, timer)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # [n, n] each
     flops = 2 * n**3 / best_seconds(lambda: a @ b)
+    shrunk = f" (shrunk from {full_n} to fit the budget)" if n < full_n else ""
     return Calibration(
         device=device_type,
         device_name=device_name(device),
@@ -54,11 +72,28 @@ def measure(device_and_dtype: tuple[str, str]) -> Calibration:
         matmul_flops=flops,
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         method=(
-            f"best of {REPEATS} after a warm-up; bandwidth: max(sum over {read_bytes >> 20} MiB, "
-            f"mv over a {read_bytes >> 21} MiB matrix, the same through oneDNN's packed linear "
-            f"where supported); matmul: {n}x{n}x{n} GEMM, {dtype_name}"
+            f"best of up to {REPEATS} after a warm-up, each kernel stopping after {share:.3g} s of a "
+            f"{budget_s:.3g} s budget (timed runs: read kernels {'/'.join(map(str, read_repeats))}, GEMM "
+            f"{repeats[-1]}); bandwidth: max(sum over {read_bytes >> 20} MiB, mv over a {read_bytes >> 21} MiB "
+            f"matrix, the same through oneDNN's packed linear where supported); matmul: {n}x{n}x{n} GEMM"
+            f"{shrunk}, {dtype_name}"
         ),
     )
+
+
+def _gemm_size(full_n: int, share: float, device, dtype, timer) -> int:
+    """The largest GEMM size, halving from full_n (PROBE_N at least), whose warm-up and two timed runs
+    fit `share` seconds, extrapolated from one timed PROBE_N GEMM (time grows as n^3)."""
+    import torch
+
+    probe = min(PROBE_N, full_n)
+    a, b = (torch.randn(probe, probe, device=device, dtype=dtype) for _ in range(2))  # [probe, probe]
+    a @ b
+    probe_s = timer.time(lambda: a @ b)[1]
+    n = full_n
+    while n > probe and 3 * probe_s * (n / probe) ** 3 > share:
+        n //= 2
+    return max(n, probe)
 
 
 def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
