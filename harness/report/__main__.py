@@ -1,8 +1,10 @@
-"""`python -m harness.report results_dir=<dir> [hardware=<datasheet>] [out=<folder>]`.
+"""`python -m harness.report results_dir=<dir> [hardware=<datasheet>] [out=<folder>] [baseline=<dir>]`.
 
 hardware: the datasheet for rows with no calibration and no datasheet matching their device name.
 results_dir must be a folder and out (default <results_dir>/_report) a folder that can be written,
 checked as the runner checks its results_dir (harness.config.validate) before anything is written.
+baseline: another results folder (a readable one, checked as results_dir is); the report then compares
+this run with it point by point (harness.report.compare).
 Bad input, or a fault while writing (a full disk), prints one line and exits 2; Ctrl-C exits 130.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from harness.report.build import ReportError, build_report
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE
 
-KEYS = {"results_dir": "results", "hardware": DEFAULT_FALLBACK_HARDWARE, "out": None}
+KEYS = {"results_dir": "results", "hardware": DEFAULT_FALLBACK_HARDWARE, "out": None, "baseline": None}
 
 
 def parse(argv: list[str]) -> dict:
@@ -28,7 +30,8 @@ def parse(argv: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     try:
         options = parse(argv)
-        files = build_report(options["results_dir"], options["hardware"], options["out"])
+        files = build_report(options["results_dir"], options["hardware"], options["out"],
+                             options["baseline"])
     except ReportError as error:
         print(error, file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import pandas as pd
 
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
-from harness.report import plots, tables
+from harness.report import compare, plots, tables
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.groups import Group, groups_of
 from harness.report.formats import format_section
@@ -101,7 +101,8 @@ def _not_measured(table: pd.DataFrame) -> list[Block]:
     return out
 
 
-def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[Block]:
+def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
+                 baseline: pd.DataFrame | None = None) -> list[Block]:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     skipped = table.attrs.get("skipped_files", [])
     blocks: list[Block] = [Heading(TITLE, 1), Paragraph(
@@ -124,6 +125,8 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
             f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
             "took the CPUs while they were timed, their steps spread too far, or they beat the roof (a roof "
             "calibrated on a busy machine: re-run with `calibrate=true`). The full table names each reason."))
+    if baseline is not None:
+        blocks += compare.comparison_section(table, baseline, folder)
     for group in groups:
         blocks += _group_section(group, folder, sets_by_group[group.slug])
     blocks += [Heading("Roofs the predictions use"), Paragraph(
@@ -148,15 +151,18 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path) -> list[B
     return blocks + _not_measured(table)
 
 
-def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None) -> ReportFiles:
+def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None,
+                 baseline=None) -> ReportFiles:
     """Read every row of results_dir and write <out_dir>/report.md and index.html (and the PNGs).
 
     Checked before anything is written, by the checks the runner uses (harness.config.validate):
-    results_dir a folder, out_dir (default <results_dir>/_report) a folder that can be written. A
+    results_dir a folder, out_dir (default <results_dir>/_report) a folder that can be written, baseline
+    (optional: a section compares with its rows, harness.report.compare) a folder that can be read. A
     fault while writing (a full disk) is a ReportError naming `out`, and report.md, rows.csv and
     index.html are each replaced whole or not at all."""
     try:
         results_dir = input_folder("results_dir", results_dir)
+        baseline = compare.baseline_folder(baseline) if baseline is not None else None
         folder = output_folder("out", out_dir) if out_dir is not None else results_dir / REPORT_DIR
         if out_dir is None:
             output_folder("results_dir", folder)
@@ -171,7 +177,8 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
             stale.unlink()
         table = load(results_dir, fallback_hardware)
-        blocks = build_blocks(table, results_dir, folder)
+        compared = load(baseline, fallback_hardware) if baseline is not None else None
+        blocks = build_blocks(table, results_dir, folder, compared)
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
         _write_whole(files.markdown, to_markdown(blocks))

@@ -2,7 +2,8 @@
 
 Every function takes one Group (one model, device, dtype) and the folder to write to, and returns the
 path of the PNG, or None when the rows at hand cannot show what the plot is about (the report then
-says so instead of drawing an empty frame).
+says so instead of drawing an empty frame). One exception: comparison_ratios draws the points two runs
+share (harness.report.compare), which span groups.
 """
 from __future__ import annotations
 
@@ -281,3 +282,34 @@ def peak_memory_split(group: Group, folder: Path, split_of) -> Optional[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, folder, f"peak_memory_{group.slug}.png")
+
+
+KIND_STYLES = {  # how a compared point is drawn, by what its verdict means: (marker, colour)
+    "worse": ("o", REFERENCE_COLOUR), "better": ("o", "#2ca02c"), "unjudged": ("x", "#999999"),
+    "same": ("o", STRATEGY_COLOURS[0]),
+}
+
+
+def comparison_ratios(labels: list[str], ratios: list[float], verdicts: list[str], kinds: list[str],
+                      quantity: str, path: Path) -> Optional[Path]:
+    """This run ÷ the baseline per point (harness.report.compare), on a log axis with a line at 1: one
+    legend entry per verdict, drawn by its kind (a KIND_STYLES key)."""
+    drawn = [(i, r, v, k) for i, (r, v, k) in enumerate(zip(ratios, verdicts, kinds))
+             if r == r and r > 0]  # r == r: not NaN; a log axis has no 0
+    if not drawn:
+        return None
+    fig, ax = plt.subplots(figsize=(min(16.0, max(7.0, 0.4 * len(labels) + 2)), 4.8))
+    for verdict in dict.fromkeys(v for _, _, v, _ in drawn):
+        mine = [(i, r, k) for i, r, v, k in drawn if v == verdict]
+        marker, colour = KIND_STYLES[mine[0][2]]
+        ax.plot([i for i, _, _ in mine], [r for _, r, _ in mine], marker, color=colour, ms=7, ls="none", label=verdict)
+    ax.axhline(1.0, color="black", lw=1.0)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))  # 0.5x, not 5×10⁻¹
+    ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
+    ax.set_ylabel(f"{quantity}: this run ÷ baseline")
+    ax.set_title(f"This run against the baseline: {quantity} ratio per point", fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path.parent, path.name)
