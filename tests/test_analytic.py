@@ -205,3 +205,72 @@ def test_every_datasheet_composes_through_the_cli(hardware, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["bandwidth_Bps"] == load_hardware(hardware).bandwidth_Bps
     assert out["peak_flops"] == load_hardware(hardware).flops["float32"]
+
+
+def test_cli_help_exits_0_and_lists_every_key_with_its_default_and_meaning(capsys):
+    import dataclasses
+
+    from harness.analysis.cli import AnalyticConfig, main
+    from harness.analysis.usage import field_comments
+
+    for flag in ("--help", "-h"):
+        assert main([flag]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""
+        for key in ("model=llama3_70b", "hardware=h100_sxm", "strategy=contiguous", "dtype=bfloat16", "batch=1",
+                    "ctx=4096", "decode_tokens=512", "format=table", "tp=1", "reserve=0.1", "usd_per_device_hour=null",
+                    "device=null", "results_dir=results"):
+            assert f"  {key} " in out, key
+        meanings = field_comments(AnalyticConfig)
+        for field in dataclasses.fields(AnalyticConfig):
+            assert meanings[field.name] and meanings[field.name] in out, field.name  # the one comment of the field
+        assert "model.n_kv_heads" in out and "hardware.memory_bytes" in out
+
+
+def _table(*args: str) -> str:
+    from harness.analysis.cli import main
+
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+def test_cli_table_is_in_human_units_with_the_cache_speedup_first():
+    table = _table("model=llama3_70b", "hardware=h100_sxm")
+    lines = table.splitlines()
+    speedup = "\n".join(lines[:6])
+    # 317.8 PFLOP / 77.01 TFLOP against 321.4 s / 21.46 s: the FLOP saving is not the time saving
+    assert "in FLOPs  4,127x" in speedup and "in time   14.97x" in speedup and "memory bound" in speedup
+    for text in ("41.9 ms", "141.1 GB", "77.01 TFLOP", "430.6 k tokens", "70.55 B parameters", "327.7 kB/token",
+                 "3.35 TB/s", "989 TFLOP/s", "21.46 s"):
+        assert text in table, text
+    for raw in ("317,815,485,007,659,008", "4.306e+05", "0.0419 s", "e+"):
+        assert raw not in table, raw
+
+
+def test_cli_json_keeps_exact_si_numbers():
+    from harness.analysis.cli import main
+
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["model=llama3_70b", "hardware=h100_sxm", "format=json"]) == 0
+    figures = json.loads(out.getvalue(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON output"))
+    assert figures["flops_generate_no_cache"] == analytic.generate_flops(LLAMA3_70B, 1, 4096, 512, None)
+    assert figures["decode_step_s"] == pytest.approx(0.041895, rel=1e-4) and figures["tp"] == 1
+
+
+def test_table_units_pick_the_prefix_that_reads():
+    from harness.analysis.table import count, duration, scaled
+
+    assert scaled(141_107_412_992, "B") == "141.1 GB" and scaled(0, "B") == "0 B" and scaled(999, "B") == "999 B"
+    assert scaled(1e30, "FLOP") == "1e+30 FLOP"  # past Y: plain scientific
+    assert duration(0.0419) == "41.9 ms" and duration(2.5e-7) == "250 ns" and duration(321.4) == "321.4 s"
+    assert duration(7200) == "2 h" and duration(10 * 365.25 * 86400) == "10 years"
+    assert count("tokens")(430_625.65) == "430.6 k tokens" and count("parameters")(70.55e9) == "70.55 B parameters"

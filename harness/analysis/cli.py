@@ -4,8 +4,11 @@
         decode_tokens=512 format=json
 
 Composes conf/analytic.yaml with Hydra's compose API (no job, no output folder), so `model=llama3_8b
-model.n_layers=1` works as in the runner. Bad input prints one line `<key>: <what is allowed>` on stderr
-and exits 2, never a traceback.
+model.n_layers=1` works as in the runner. `--help` lists every key (harness.analysis.usage). The figures
+come from the analytic model (analytic.summary, split over `tp` devices by harness.analysis.capacity,
+with its capacity plan and cost); this module checks the input and prints them: as a table
+(harness.analysis.table) or as JSON of exact SI numbers. Bad input prints one line
+`<key>: <what is allowed>` on stderr and exits 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -19,14 +22,22 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from harness.analysis import analytic
+from harness.analysis import capacity
+from harness.analysis.analytic import Roof
+from harness.analysis.capacity import DEFAULT_RESERVE
 from harness.analysis.hardware import Hardware, HardwareError, resolve
+from harness.analysis.table import render_table
+from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import bounded_tree, class_path, one_of, safe_name, validate_workload
+from harness.config.validate import (bounded_tree, class_path, one_of, positive_float, safe_name,
+                                     validate_workload)
 
 CONF_DIR = config_dir()
 FORMATS = ("table", "json")
+HELP_FLAGS = ("--help", "-h")
+MEMORY_BOUNDS = (1.0, 1e18)  # bytes of one device: far beyond any, and every capacity figure stays finite
+PRICE_BOUNDS = (1e-6, 1e6)  # USD per device-hour: a millionth of a cent to a million dollars
 
 
 @dataclass
@@ -43,38 +54,13 @@ class AnalyticConfig:
     format: str = "table"  # table | json
     results_dir: str = "results"  # where hardware=measured finds its calibration record
     device: Optional[str] = None  # hardware=measured: cpu | cuda, or null for any record
+    tp: int = 1  # devices the model is split over (tensor parallel); KV heads replicated past n_kv_heads
+    reserve: float = DEFAULT_RESERVE  # share of each device's memory kept for activations, 0 to below 1
+    usd_per_device_hour: Optional[float] = None  # rental price of one device; null: no cost per million tokens
 
 
 class UsageError(ValueError):
     """Bad input; the message is the one line printed."""
-
-
-# key -> unit, in the order printed. The README section defines each key.
-UNITS = {
-    "params": "parameters",
-    "weight_bytes": "B",
-    "kv_bytes_per_token": "B/token",
-    "kv_cache_bytes": "B",
-    "tokens_to_match_weights": "tokens",
-    "flops_decode_step": "FLOP",
-    "flops_decode_step_no_cache": "FLOP",
-    "flops_generate_cached": "FLOP",
-    "flops_generate_no_cache": "FLOP",
-    "flops_prefill": "FLOP",
-    "bytes_decode_step": "B",
-    "bytes_decode_step_no_cache": "B",
-    "decode_step_s": "s",
-    "decode_step_bound": "",
-    "generate_s_cached": "s",
-    "generate_s_no_cache": "s",
-    "prefill_s": "s",
-    "prefill_bytes_per_token": "B/token",
-    "decode_bytes_per_token": "B/token",
-    "ridge_flops_per_byte": "FLOP/B",
-    "decode_intensity_flops_per_byte": "FLOP/B",
-    "peak_flops": "FLOP/s",
-    "bandwidth_Bps": "B/s",
-}
 
 
 def _options(group: str) -> list[str]:
@@ -89,10 +75,11 @@ def _check_overrides(overrides: list[str]) -> None:
     parser = OverridesParser.create()
     for override in overrides:
         key, sep, value = override.partition("=")
-        if sep and key in ("model", "hardware", "strategy") and value not in _options(key):
+        if sep and key in GROUPS and value not in _options(key):
             raise UsageError(f"{key}: unknown '{value}', allowed: {', '.join(_options(key))}")
         if not sep:
-            raise UsageError(f"{override}: expected key=value, keys: {', '.join(AnalyticConfig.__dataclass_fields__)}")
+            raise UsageError(f"{override}: expected key=value (--help lists them), keys: "
+                             f"{', '.join(AnalyticConfig.__dataclass_fields__)}")
         try:
             parser.parse_override(override)
         except Exception:  # OverrideParseException: the grammar's message names no key
@@ -152,7 +139,7 @@ def cache_layout(strategy, shape):
         raise UsageError(f"strategy: {str(error).splitlines()[0]}") from None
 
 
-def workload(cfg) -> tuple[ModelConfig, analytic.Roof, str, object]:
+def workload(cfg) -> tuple[ModelConfig, Roof, str, object]:
     """Check what a type cannot express (the runner's own checks), resolve the roof and the layout."""
     try:
         validate_workload(cfg)
@@ -161,6 +148,7 @@ def workload(cfg) -> tuple[ModelConfig, analytic.Roof, str, object]:
         if not str(cfg.results_dir).strip():
             raise ConfigError("results_dir", "is empty: name the folder whose _calibration/ hardware=measured reads")
         bounded_tree(OmegaConf.to_container(cfg, resolve=True))  # every other number: int64, finite
+        _check_plan(cfg)
     except ConfigError as error:
         raise UsageError(str(error)) from None
     shape = model_config_from(cfg.model)
@@ -172,38 +160,19 @@ def workload(cfg) -> tuple[ModelConfig, analytic.Roof, str, object]:
     return shape, roof, source, cache_layout(OmegaConf.to_container(cfg.strategy, resolve=True), shape)
 
 
-def _human(value: Any, unit: str) -> str:
-    """A value for the table: integers with thousands separators, floats in 4 significant digits."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return "– (no cache)"
-    if isinstance(value, int):
-        text = f"{value:,}"
-    else:
-        text = f"{value:.4g}"
-    if unit:
-        text += f" {unit}"
-    if unit == "B" and value >= 1024:
-        text += f" ({_binary(value)})"
-    return text
-
-
-def _binary(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
-
-
-def render_table(figures: dict, header: str) -> str:
-    width = max(len(k) for k in figures)
-    lines = [header]
-    for key, value in figures.items():
-        unit = UNITS.get(key, "")
-        lines.append(f"{key:<{width}}  {_human(value, unit)}")
-    return "\n".join(lines)
+def _check_plan(cfg) -> None:
+    """The capacity plan's keys: a split the heads allow, a reserve below the whole memory, a price
+    and a memory that are positive and bounded (so every figure stays finite)."""
+    why = capacity.check_tp(model_config_from(cfg.model), cfg.tp)
+    if why:
+        raise ConfigError("tp", why)
+    reserve = cfg.reserve
+    if not 0 <= reserve < 1:  # finite already (bounded_tree)
+        raise ConfigError("reserve", f"must be a fraction of device memory from 0 to below 1, got {reserve!r}")
+    if cfg.usd_per_device_hour is not None:
+        positive_float("usd_per_device_hour", cfg.usd_per_device_hour, *PRICE_BOUNDS)
+    if cfg.hardware.memory_bytes is not None:
+        positive_float("hardware.memory_bytes", cfg.hardware.memory_bytes, *MEMORY_BOUNDS)
 
 
 def finite_figures(figures: dict) -> dict:
@@ -217,28 +186,43 @@ def finite_figures(figures: dict) -> dict:
     return figures
 
 
+def figures_of(cfg, shape, roof, layout) -> dict:
+    """Every figure for the composed workload: the model's, split over cfg.tp devices, its capacity
+    plan for the cache at the end of the generation, and its cost."""
+    figures = capacity.split_summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout, cfg.tp)
+    figures.update(capacity.capacity_figures(shape, cfg.dtype, layout, cfg.tp, cfg.batch, cfg.ctx + cfg.decode_tokens,
+                                             cfg.hardware.memory_bytes, cfg.reserve))
+    figures.update(capacity.cost_figures(figures["generate_s_cached"], cfg.batch, cfg.decode_tokens, cfg.tp,
+                                         cfg.usd_per_device_hour))
+    return finite_figures(figures)
+
+
+def help_text() -> str:
+    return usage(AnalyticConfig, CONF_DIR / "analytic.yaml", {group: _options(group) for group in GROUPS},
+                 {"model": ModelConfig, "hardware": Hardware})
+
+
 def main(argv: list[str]) -> int:
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(help_text())
+        return 0
     try:
         cfg = compose(argv)
         shape, roof, source, layout = workload(cfg)
+        figures = figures_of(cfg, shape, roof, layout)
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
-    try:
-        figures = finite_figures(analytic.summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout))
     except ArithmeticError as error:  # OverflowError, ZeroDivisionError: inputs the bounds let through
         print(f"hardware: the analytic model cannot be evaluated for these inputs ({type(error).__name__}: {error})",
               file=sys.stderr)
         return 2
-    except UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
+    inputs = {"model": shape.name, "strategy": cfg.strategy._target_.rsplit(".", 1)[-1], "hardware": cfg.hardware.name,
+              "roof_source": source, "dtype": cfg.dtype, "batch": cfg.batch, "ctx": cfg.ctx,
+              "decode_tokens": cfg.decode_tokens, "tp": cfg.tp, "reserve": cfg.reserve,
+              "usd_per_device_hour": cfg.usd_per_device_hour}
     if cfg.format == "json":
-        inputs = {"model": shape.name, "strategy": cfg.strategy._target_.rsplit(".", 1)[-1], "hardware": cfg.hardware.name, "roof_source": source, "dtype": cfg.dtype,
-                  "batch": cfg.batch, "ctx": cfg.ctx, "decode_tokens": cfg.decode_tokens}
         print(json.dumps({**inputs, **figures}, indent=2, allow_nan=False))
     else:
-        header = (f"# {shape.name} on {source}; {cfg.dtype}, batch {cfg.batch}, ctx {cfg.ctx}, "
-                  f"decode_tokens {cfg.decode_tokens}")
-        print(render_table(figures, header))
+        print(render_table(figures, inputs))
     return 0
