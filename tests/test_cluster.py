@@ -111,6 +111,11 @@ def test_local_launcher_runs_each_point_once_one_at_a_time(results_dir):
     spans = job_spans(sweep)
     assert len(spans) == 4  # one submitit job per point, each logged under the sweep's folder
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans  # one at a time
+    # The parent measured nothing itself: its closing line counts what landed in the folder.
+    output = result.stdout + result.stderr
+    assert "4 point(s) in" in output and ": 4 ok." in output, _tail(result)
+    assert f"Report: python -m harness.report results_dir={results_dir}" in output
+    assert "Launching" not in output  # the launcher's per-job lines are off without hydra.verbose
 
 
 def test_a_local_sweep_killed_mid_flight_leaves_whole_rows_and_the_rerun_completes(results_dir):

@@ -213,7 +213,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     """SIGINT to the process group, as Ctrl-C sends it, a second into the sweep: the runner, its fork
     server (importing torch then) and the point's process all get it."""
     results = seeded(tmp_path / "results")
-    args = ["-m", *TINY[:-1], "decode_tokens=300", "batch=1,2,3,4", f"results_dir={results}"]  # isolated points
+    args = ["-m", *TINY[:-1], "decode_tokens=300", "batch=1,2,3,4", f"results_dir={results}",  # isolated points
+            "hydra.verbose=hydra._internal.core_plugins.basic_launcher"]  # its `Launching` line: the sweep began
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     sweep = subprocess.Popen([sys.executable, "-m", "harness.run", *args], cwd=REPO_ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)

@@ -7,7 +7,9 @@ dtype, the same product through oneDNN's packed linear (the kernel the harness's
 which reads faster than aten's: a roof below the kernel in use would give fractions above 1). Matmul: a square GEMM in the dtype.
 Each kernel runs once to warm up, then up to `REPEATS` times within its share of the calibration's
 wall-time budget (the GEMM shrinks to fit its share); the best time stands, because on a shared
-machine noise only ever makes a kernel slower than the hardware allows.
+machine noise only ever makes a kernel slower than the hardware allows. The share of the CPUs other
+processes took meanwhile is recorded with the roofs (`contention`): best-of cannot undo a busy machine
+whose other process held a core for the whole run.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import socket
 import time
 from datetime import datetime, timezone
 
+from harness.measure.contention import CpuTimes, others_fraction
 from harness.store.calibration import Calibration
 
 REPEATS = 10
@@ -49,6 +52,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
         repeats.append(len(times))
         return min(times)
 
+    began = CpuTimes.now()
     read_bytes = READ_BYTES[device_type]
     sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
     with_packed = device_type == "cpu" and onednn_supports(dtype_name)
@@ -59,6 +63,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
     n = _gemm_size(full_n, share, device, dtype, timer)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # [n, n] each
     flops = 2 * n**3 / best_seconds(lambda: a @ b)
+    contention = others_fraction(began, CpuTimes.now())
     shrunk = f" (shrunk from {full_n} to fit the budget)" if n < full_n else ""
     return Calibration(
         device=device_type,
@@ -71,6 +76,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
         read_bandwidth_packed_gemv_Bps=packed_bw,
         matmul_flops=flops,
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        contention=contention,
         method=(
             f"best of up to {REPEATS} after a warm-up, each kernel stopping after {share:.3g} s of a "
             f"{budget_s:.3g} s budget (timed runs: read kernels {'/'.join(map(str, read_repeats))}, GEMM "

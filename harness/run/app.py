@@ -36,16 +36,20 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from harness.config import ConfigError, register_schemas  # noqa: E402
+from harness.measure.contention import ROOF_LIMIT  # noqa: E402
 from harness.measure.point import measure_point, not_run  # noqa: E402
 from harness.run import calibration  # noqa: E402
 from harness.run.isolation import PointInterrupted, run_inline, run_isolated, stop_fork_server  # noqa: E402
 from harness.run.metadata import git_commit, same_code  # noqa: E402
+from harness.run.summary import closing_line  # noqa: E402
 from harness.run.plan import CONFIG_DIR, CONFIG_NAME, needs_preflight, plan  # noqa: E402
 from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
 from harness.run.row import build_row  # noqa: E402
-from harness.store.files import finished_row, finished_rows, remove_stale_temporaries, write_row  # noqa: E402
+from harness.store.files import finished_row, remove_stale_temporaries, write_row  # noqa: E402
 
 log = logging.getLogger("harness")
+LAUNCHER_LOGGERS = ("hydra._internal.core_plugins.basic_launcher",
+                    "hydra_plugins.hydra_submitit_launcher.submitit_launcher")
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Progress:
 
 PROGRESS = Progress()
 CALIBRATIONS: dict = {}  # (results_dir, device, dtype) -> Calibration, once per process
+STORED_CALIBRATION: dict = {}  # same key -> True while the record in use was stored by an earlier run
 PLANNED: dict = {}  # sorted job overrides -> PlannedPoint, filled by main() before Hydra runs the jobs
 
 
@@ -92,8 +97,29 @@ def roofs_for(cfg, point, run):
                 f"calibrated {point.device}/{point.dtype}: read {record.read_bandwidth_Bps / 1e9:.1f} GB/s, "
                 f"matmul {record.matmul_flops / 1e12:.3f} TFLOP/s -> {calibration.record_path(*key)}"
             )
+        elif record is not None and calibration.is_contended(record):
+            log.warning(f"the stored calibration {calibration.record_path(*key)} ({record.timestamp}) was measured "
+                        f"while other processes took {record.contention:.0%} of the CPUs: its roofs are likely "
+                        "low; calibrate=true measures them again")
         CALIBRATIONS[key] = record
+        STORED_CALIBRATION[key] = record is not None and not measured_now
     return CALIBRATIONS[key]
+
+
+def warn_if_beaten(cfg, point, row: dict) -> None:
+    """Once per device and dtype: a row faster than a stored record's roofs says the record is wrong
+    (measured on a busy machine, or before a faster kernel), and names the switch that re-measures it."""
+    key = (cfg.results_dir, point.device, point.dtype)
+    beaten = {name: row[name] for name in ("bandwidth_fraction", "flops_fraction")
+              if row.get(name) is not None and row[name] > ROOF_LIMIT}
+    if not beaten or not STORED_CALIBRATION.get(key):
+        return
+    STORED_CALIBRATION[key] = False  # said once
+    record = CALIBRATIONS[key]
+    figures = ", ".join(f"{name} {value:.2f}" for name, value in beaten.items())
+    log.warning(f"{point.label()} beats the stored calibration {calibration.record_path(*key)} "
+                f"({record.timestamp}): {figures} > {ROOF_LIMIT}, so its roofs are too low; "
+                "re-run with calibrate=true")
 
 
 def _clock(seconds: float) -> str:
@@ -106,7 +132,8 @@ def _outcome(row: dict) -> str:
         bandwidth, flops = row["bandwidth_fraction"], row["flops_fraction"]
         of_roof = (f", roofs: {bandwidth:.0%} of read, {flops:.0%} of FLOP/s ({row['roof_bound']} bound)"
                    if bandwidth is not None else "")
-        return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s{of_roof}"
+        noisy = f"; NOISY: {row['noise_reason']}" if row["noisy"] else ""
+        return f"ok, {row['decode_step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s{of_roof}{noisy}"
     return f"{row['status']}: {row['reason']}"
 
 
@@ -196,6 +223,7 @@ def _run_point(cfg) -> None:
         PROGRESS.measured_seconds.append(time.monotonic() - began)
     PROGRESS.statuses[row["status"]] += 1
     log.info(PROGRESS.line(point.label(), _outcome(row)))
+    warn_if_beaten(cfg, point, row)
     if "traceback" in measured:
         log.debug(measured["traceback"])
 
@@ -225,19 +253,13 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def folder_summary(results_dir: str) -> str:
-    """The closing line's account of the folder: its rows, how many failed, how many other code made."""
-    rows = finished_rows(results_dir)
-    statuses = Counter(row.status for row in rows.values())
-    current = git_commit()
-    other = sum(not same_code(row.git_commit, current) for row in rows.values())
-    text = f"'{results_dir}' holds {len(rows)} rows, {statuses.get('failed', 0)} failed"
-    if statuses.get("failed"):
-        text += " (the next run re-measures them; rerun_failed=false keeps them)"
-    if other:
-        text += (f"; {other} made by other code (git_commit is not {current}; rerun_other_code=true "
-                 "re-measures them)")
-    return text
+def quiet_launchers(argv: list[str]) -> None:
+    """Hydra's launchers log two lines per job (`Launching 1 jobs locally`, `#0 : <overrides>`) before
+    every progress line of ours, which says the same; they are kept for `hydra.verbose`."""
+    if any(arg.lstrip("+").startswith("hydra.verbose") for arg in argv):
+        return
+    for name in LAUNCHER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main() -> int:
@@ -255,6 +277,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted before the first point: nothing written", file=sys.stderr)
         return 130
+    quiet_launchers(argv)
     PROGRESS.total = len(the_plan.jobs)
     PLANNED.update({tuple(sorted(job.overrides)): job for job in the_plan.jobs})
     results_dir = the_plan.results_dir
@@ -275,7 +298,11 @@ def main() -> int:
     except BaseException as error:  # noqa: BLE001 - a fault of the output or of Hydra: one line
         print(_fault_line(error, results_dir), file=sys.stderr)
         return 3
-    summary = ", ".join(f"{count} {status}" for status, count in sorted(PROGRESS.statuses.items()))
-    log.info(f"{PROGRESS.done} point(s) in {_clock(time.monotonic() - PROGRESS.started)}: {summary}; "
-             f"{folder_summary(results_dir)}")
-    return 1 if PROGRESS.statuses.get("failed") else 0
+    line, outcome = closing_line(results_dir, [job.point for job in the_plan.jobs], PROGRESS.statuses,
+                                 _clock(time.monotonic() - PROGRESS.started))
+    log.info(line)
+    # Exit 1: a point failed in this run (a failed row kept by rerun_failed=false is not this run's
+    # failure), or left no row. A launcher that ran the points elsewhere left this process no counts.
+    measured_elsewhere = PROGRESS.done == 0
+    failed_now = PROGRESS.statuses.get("failed") or (measured_elsewhere and outcome.failed)
+    return 1 if failed_now or outcome.missing else 0

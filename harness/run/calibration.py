@@ -12,6 +12,12 @@ each kernel's repeats stop once its share of the budget is spent (one timed run 
 GEMM shrinks (halving from harness.measure.roofs.MATMUL_N) until a warm-up and two runs fit its
 share, so fp16 on a CPU without fp16 units takes seconds, not minutes. The record's `method` says
 how many repeats each kernel ran and which GEMM size was used.
+
+Best-of repeats cannot undo another process that holds a core for the whole calibration (on two
+cores it halved the matmul roof, and every later row "beat" it). So each calibration records the share
+of the CPUs others took (`contention`); above harness.measure.contention.CONTENTION_LIMIT it is tried
+again, up to ATTEMPTS times within the budget, and the least contended record is kept. One still
+contended is stored with its contention and a warning naming `calibrate=true`, never silently.
 """
 from __future__ import annotations
 
@@ -23,12 +29,15 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness.measure.contention import CONTENTION_LIMIT
 from harness.measure.roofs import measure_within
 from harness.store.calibration import Calibration, load, record_path, save  # noqa: F401 (record_path for callers)
 
 log = logging.getLogger("harness")
 
 DEFAULT_BUDGET_S = 120.0  # harness.config.schema.RunConfig.calibration_budget_s's default
+ATTEMPTS = 3  # calibrations tried while others take the CPUs; the least contended is kept
+RETRY_PAUSE_S = 3.0  # wait before trying again: a short burst elsewhere may be over by then
 
 
 def lock_path(results_dir: str | Path, device: str, dtype: str) -> Path:
@@ -70,9 +79,7 @@ def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
         log.info(f"calibrating {label}: read bandwidth and matmul roofs, budget {budget_s:.0f} s "
                  f"(calibration_budget_s); the record goes to {path} and later runs reuse it")
         began = time.monotonic()
-        outcome = run(measure_within, (device, dtype, float(budget_s)))
-        if isinstance(outcome, dict):  # isolation reports a failure as a dict with a reason
-            raise RuntimeError(f"calibration failed: {outcome.get('reason')}")
+        outcome = _least_contended(run, device, dtype, float(budget_s), label)
         log.info(f"calibration of {label} took {time.monotonic() - began:.1f} s")
         try:
             save(results_dir, outcome)
@@ -80,3 +87,30 @@ def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
             path.with_name(f".{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
             raise
     return outcome, True
+
+
+def is_contended(record: Calibration) -> bool:
+    return record.contention is not None and record.contention > CONTENTION_LIMIT
+
+
+def _least_contended(run, device: str, dtype: str, budget_s: float, label: str) -> Calibration:
+    """Measure; while others took more than CONTENTION_LIMIT of the CPUs and the budget allows another
+    attempt, wait and measure again. The least contended record, with a warning if it still is."""
+    began, best = time.monotonic(), None
+    for attempt in range(1, ATTEMPTS + 1):
+        outcome = run(measure_within, (device, dtype, budget_s))
+        if isinstance(outcome, dict):  # isolation reports a failure as a dict with a reason
+            raise RuntimeError(f"calibration failed: {outcome.get('reason')}")
+        if best is None or (outcome.contention or 0.0) < (best.contention or 0.0):
+            best = outcome
+        spent = time.monotonic() - began
+        if not is_contended(best) or attempt == ATTEMPTS or spent * (attempt + 1) / attempt > budget_s:
+            break
+        log.warning(f"calibration of {label}: other processes took {outcome.contention:.0%} of the CPUs "
+                    f"(limit {CONTENTION_LIMIT:.0%}); trying again ({attempt + 1} of {ATTEMPTS})")
+        time.sleep(RETRY_PAUSE_S)
+    if is_contended(best):
+        log.warning(f"calibration of {label} is stored contended: other processes took {best.contention:.0%} of "
+                    f"the CPUs in its best attempt, so its roofs are likely low and rows may beat them (noisy). "
+                    f"Re-run with calibrate=true on a quiet machine")
+    return best

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +30,9 @@ class Calibration:
     matmul_flops: float  # roof: square GEMM rate, FLOP/s
     timestamp: str  # when it was measured (UTC, ISO 8601); the newest wins
     method: str  # what was run, in words
+    # Share of the CPUs other processes took while the kernels ran (harness.measure.contention); a
+    # record measured on a busy machine has roofs that are too low. None: a record from before it was kept.
+    contention: Optional[float] = None
 
 
 def record_path(results_dir: str | Path, device: str, dtype: str) -> Path:
@@ -39,7 +42,8 @@ def record_path(results_dir: str | Path, device: str, dtype: str) -> Path:
 def parse(text: str) -> Calibration:
     """A record from its JSON text; ValueError/TypeError/KeyError when it is not one."""
     raw = json.loads(text)
-    record = Calibration(**{f.name: raw[f.name] for f in fields(Calibration)})
+    optional = {f.name for f in fields(Calibration) if f.default is not MISSING}
+    record = Calibration(**{f.name: raw[f.name] for f in fields(Calibration) if f.name in raw or f.name not in optional})
     for name in ("read_bandwidth_Bps", "matmul_flops"):
         value = getattr(record, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

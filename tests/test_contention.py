@@ -1,0 +1,144 @@
+"""Numbers taken on a busy machine are flagged, and a calibration made on one is never stored silently.
+
+harness.measure.contention measures the share of the CPUs other processes took; rows beyond its
+limits are `noisy` with the reason. The calibration is tried again while contended and records its
+contention; a run that beats a stored record, or reuses a contended one, says so and names
+`calibrate=true`. The sweep's log is its own (no launcher lines) and ends by naming the report command.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, noise_reasons, others_fraction
+from harness.run import calibration
+from harness.run.summary import closing_line
+from harness.store.calibration import parse, save
+from tests.hardening_helpers import FAST, cli, fake_calibration, seeded
+
+# Every point here runs with device=cpu (FAST): the contention measured is the CPUs'.
+
+
+def test_noise_reasons_name_each_rule():
+    assert noise_reasons(0.01, 1.0, 1.5, {"bandwidth_fraction": 0.9}) == []
+    assert "took 40% of the CPUs" in noise_reasons(0.4, 1.0, 1.1, {})[0]
+    assert "p90 over 2x p10" in noise_reasons(0.0, 1e-3, 3e-3, {})[0]
+    assert "roof was underestimated" in noise_reasons(None, None, None, {"flops_fraction": 1.2})[0]
+
+
+def _busy(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def test_others_fraction_sees_busy_processes():
+    busy = min(os.cpu_count(), 4)
+    processes = _busy(busy)
+    try:
+        time.sleep(0.5)  # let them start
+        start = CpuTimes.now()
+        time.sleep(1.0)
+        taken = others_fraction(start, CpuTimes.now())
+    finally:
+        _stop(processes)
+    assert taken >= 0.5 * busy / os.cpu_count(), taken
+
+
+def test_a_point_timed_beside_busy_processes_is_noisy(tmp_path):
+    processes = _busy(os.cpu_count())
+    try:
+        time.sleep(0.5)
+        result = cli(*FAST, "strategy=contiguous", f"results_dir={seeded(tmp_path)}")
+    finally:
+        _stop(processes)
+    assert result.returncode == 0, result.stderr
+    row = pd.read_parquet(tmp_path).iloc[0]
+    assert row.contention > CONTENTION_LIMIT and row.noisy, row[["contention", "noise_reason"]]
+    assert "other processes took" in row.noise_reason
+    assert "NOISY: other processes took" in result.stdout + result.stderr  # the progress line warns
+
+
+def _calibrations(*contentions):
+    """A fake `run` for calibration.ensure: one record per call, with these contentions in turn."""
+    calls = []
+
+    def run(fn, request):
+        assert fn is calibration.measure_within
+        calls.append(request)
+        return dataclasses.replace(fake_calibration(timestamp="2999-01-01T00:00:00+00:00"),
+                                   contention=contentions[len(calls) - 1])
+    return run, calls
+
+
+def test_a_contended_calibration_is_tried_again_and_the_quiet_one_kept(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(calibration, "RETRY_PAUSE_S", 0.0)
+    run, calls = _calibrations(0.45, 0.02)
+    with caplog.at_level(logging.INFO, logger="harness"):
+        record, measured = calibration.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
+    assert measured and len(calls) == 2 and record.contention == 0.02
+    assert "took 45% of the CPUs" in caplog.text and "trying again (2 of 3)" in caplog.text
+    assert calibration.load(tmp_path, "cpu", "float32").contention == 0.02
+
+
+def test_a_calibration_contended_every_time_is_stored_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(calibration, "RETRY_PAUSE_S", 0.0)
+    run, calls = _calibrations(0.5, 0.3, 0.4)
+    with caplog.at_level(logging.INFO, logger="harness"):
+        record, _ = calibration.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
+    assert len(calls) == calibration.ATTEMPTS and record.contention == 0.3  # the least contended
+    assert "stored contended" in caplog.text and "calibrate=true" in caplog.text
+    assert calibration.load(tmp_path, "cpu", "float32").contention == 0.3
+
+
+def test_a_record_from_before_contention_was_kept_still_reads(tmp_path):
+    path = save(tmp_path, fake_calibration())
+    text = path.read_text().replace('"contention": null', '"unused": null')
+    assert parse(text).contention is None
+
+
+def test_a_run_that_beats_the_stored_roofs_names_calibrate_true(tmp_path):
+    save(tmp_path, dataclasses.replace(fake_calibration(), read_bandwidth_Bps=1e6, matmul_flops=1e6))
+    result = cli(*FAST, "strategy=contiguous", f"results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert "beats the stored calibration" in output and "re-run with calibrate=true" in output
+    row = pd.read_parquet(tmp_path).iloc[0]
+    assert row.noisy and "roof was underestimated" in row.noise_reason
+
+
+def test_a_stored_contended_record_is_named_when_reused(tmp_path):
+    save(tmp_path, dataclasses.replace(fake_calibration(), contention=0.4))
+    result = cli(*FAST, "strategy=contiguous", f"results_dir={tmp_path}")
+    assert "took 40% of the CPUs" in result.stdout + result.stderr and "calibrate=true" in result.stdout + result.stderr
+
+
+def test_the_log_has_no_launcher_lines_and_ends_with_the_report_command(tmp_path):
+    result = cli("-m", *FAST, "strategy=contiguous", "batch=1,2", f"results_dir={seeded(tmp_path)}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Launching" not in output and "#0 :" not in output
+    last = output.strip().splitlines()[-1]
+    assert "2 point(s) in" in last and ": 2 ok." in last
+    assert last.endswith(f"Report: python -m harness.report results_dir={tmp_path}")
+    verbose = cli("-m", *FAST, "strategy=contiguous", "batch=1,2", "hydra.verbose=true", f"results_dir={tmp_path}")
+    assert "Launching 1 jobs locally" in verbose.stdout + verbose.stderr
+
+
+def test_the_closing_line_names_points_that_left_no_row(tmp_path):
+    point = SimpleNamespace(key="0123456789abcdef", label=lambda: "contiguous tiny b=1 ctx=8 cpu/float32")
+    line, landed = closing_line(str(tmp_path), [point], Counter(), "0:01")
+    assert landed.missing and "1 left no row" in line and "contiguous tiny b=1 ctx=8" in line
