@@ -61,6 +61,19 @@ def test_a_record_from_another_host_is_not_reused(tmp_path):
     assert calibrate.load(tmp_path, "cpu", "float32") is None
 
 
+def test_hosts_sharing_a_results_folder_keep_their_own_records(tmp_path):
+    import dataclasses
+    import socket
+
+    other = calibrate.Calibration("cpu", "x", "node/7", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
+    mine = dataclasses.replace(other, hostname=socket.gethostname(), read_bandwidth_Bps=2.0)
+    calibrate.save(tmp_path, other)
+    calibrate.save(tmp_path, mine)  # does not overwrite the other host's record
+    assert calibrate.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
+    names = sorted(p.name for p in (tmp_path / "_calibration").glob("*.json"))
+    assert names == sorted(["node-7__cpu__float32.json", f"{calibrate.host_slug()}__cpu__float32.json"])
+
+
 def point(prefill: str):
     return planned_point("model=tiny", "strategy=contiguous", "batch=2", "ctx=24", "decode_tokens=4", f"prefill={prefill}")
 

@@ -271,7 +271,7 @@ def test_a_calibration_that_cannot_be_saved_leaves_no_temporary(tmp_path, monkey
     monkeypatch.setattr(calibration, "save", full_save)
     with pytest.raises(OSError):
         calibration.ensure(tmp_path, "cpu", "float32", False, lambda fn, arg: fake_calibration())
-    assert [p.name for p in (tmp_path / "_calibration").iterdir()] == ["cpu__float32.lock"]
+    assert [p.name for p in (tmp_path / "_calibration").iterdir()] == [calibration.lock_path(tmp_path, "cpu", "float32").name]
 
 
 class FixedTimer:

@@ -8,6 +8,8 @@ from html.parser import HTMLParser
 import pandas as pd
 import pytest
 
+from harness.store.calibration import host_slug
+
 from harness.report.__main__ import main as report_main
 from harness.report.build import build_report
 from harness.analysis.results import load
@@ -73,7 +75,7 @@ def test_report_names_every_section_and_answer(report):
     text = files.markdown.read_text()
     for needle in ("Every row beside its prediction", "What a KV cache buys and costs: the questions, answered",
                    "327,680 B (320 KiB)", "430,626 tokens", "9 of 9 points generated exactly the reference's tokens",
-                   "Equal batch × tokens", "measured: calibration cpu__float32.json"):
+                   "Equal batch × tokens", f"measured: calibration {host_slug()}__cpu__float32.json"):
         assert needle in text, needle
 
 

@@ -4,7 +4,7 @@ now (in a process of its own), once per process.
 Records live in `<results_dir>/_calibration/` (harness.store.calibration) and are reused by every
 later point on the same host until `calibrate=true` forces a new measurement. Two processes never
 calibrate one device and dtype at once: `ensure` holds an exclusive lock on
-`_calibration/<device>__<dtype>.lock` (fcntl.flock, released by the kernel when a process dies) while
+`_calibration/<host>__<device>__<dtype>.lock` (fcntl.flock, released by the kernel when a process dies) while
 it measures, and a second process waits for it, then reuses the record the first one wrote.
 
 A calibration has a wall-time budget (`calibration_budget_s`): it says so in the log before it starts,

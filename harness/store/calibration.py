@@ -1,6 +1,8 @@
 """Calibration records on disk: the roofs measured on one host's device in one dtype.
 
-`<results_dir>/_calibration/<device>__<dtype>.json`, written atomically like the rows, one record
+`<results_dir>/_calibration/<host>__<device>__<dtype>.json`, one per host (several hosts' rows and
+records share one results folder on a cluster, and each host is judged against its own roofs),
+written atomically like the rows, one record
 type for the writer (harness.run.calibration) and every reader (the analytic CLI's hardware=measured,
 harness.analysis.results). A row copies the roofs it was judged against, so a later recalibration
 never rewrites history.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -35,8 +38,14 @@ class Calibration:
     contention: Optional[float] = None
 
 
-def record_path(results_dir: str | Path, device: str, dtype: str) -> Path:
-    return Path(results_dir) / CALIBRATION_DIR / f"{device}__{dtype}.json"
+def host_slug(hostname: str | None = None) -> str:
+    """The host's name as it may appear in a file name (anything else becomes '-')."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", hostname or socket.gethostname()).lstrip(".") or "host"
+
+
+def record_path(results_dir: str | Path, device: str, dtype: str, hostname: str | None = None) -> Path:
+    """Where this host's (or `hostname`'s) record for a device and dtype lives."""
+    return Path(results_dir) / CALIBRATION_DIR / f"{host_slug(hostname)}__{device}__{dtype}.json"
 
 
 def parse(text: str) -> Calibration:
@@ -62,7 +71,7 @@ def load(results_dir: str | Path, device: str, dtype: str) -> Calibration | None
 
 def save(results_dir: str | Path, record: Calibration) -> Path:
     """Write atomically: a reader never sees half a record."""
-    path = record_path(results_dir, record.device, record.dtype)
+    path = record_path(results_dir, record.device, record.dtype, record.hostname)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(json.dumps(asdict(record), indent=2) + "\n")
