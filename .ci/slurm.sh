@@ -176,6 +176,9 @@ fi
 if grep -n -i "sacct" "$log" >&2; then
   fail "submitit warned about sacct (lines above)"
 fi
+# The parent measured nothing itself: its closing line must count the rows that landed in results_dir.
+grep -q "4 point(s) in .*: 4 ok\. .*Report: python -m harness.report results_dir=" "$log" \
+  || { tail -n 5 "$log" >&2; fail "the parent's closing line does not count the 4 rows that landed"; }
 python - "$results" <<'EOF' || { tail -n 40 "$log" >&2; fail "the rows of the Slurm sweep"; }
 import sys
 from pathlib import Path
@@ -190,6 +193,7 @@ print(f"slurm.sh: {len(files)} row files, {len(frame)} rows:", frame[["strategy"
 assert len(files) == 4 and len(frame) == 4, f"expected 4 rows, one file each; got {len(frame)} in {len(files)} files"
 assert frame.point_key.nunique() == 4, f"point_key not distinct: {sorted(frame.point_key)}"
 assert (frame.status == "ok").all(), frame[["strategy", "batch", "status", "reason"]].to_string()
+assert (frame.sweep_parallelism == 256).all(), f"rows must say their jobs could run at once: {frame.sweep_parallelism}"
 assert not list(results.glob(".*.tmp-*")), "a temporary row file was left behind"
 sweeps = list((results / "_hydra" / "multirun").iterdir())
 assert len(sweeps) == 1, f"expected the sweep's one log folder under _hydra/multirun/, found {sweeps}"

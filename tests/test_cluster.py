@@ -106,6 +106,7 @@ def test_local_launcher_runs_each_point_once_one_at_a_time(results_dir):
     assert result.returncode == 0, _tail(result)
     frame = assert_each_row_once(results_dir, 4)
     assert (frame.hostname == socket.gethostname()).all()
+    assert (frame.sweep_parallelism == 1).all()  # each point timed alone, and its row says so
     sweep = sweep_folder(results_dir)
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"]  # Hydra's job logs
     spans = job_spans(sweep)

@@ -148,6 +148,13 @@ def measured_traffic(point) -> dict:
         return {}
 
 
+def sweep_parallelism() -> int:
+    """Points of this sweep the launcher may run at once: Hydra's sweeper batch (conf/config.yaml sets
+    it to the launcher's array_parallelism, else 1); 1 for a single point."""
+    sweeper = HydraConfig.get().get("sweeper") or {}
+    return max(1, int(sweeper.get("max_batch_size") or 1)) if HydraConfig.get().mode.name == "MULTIRUN" else 1
+
+
 def planned_point(cfg):
     """This job's PlannedPoint: the plan's, found by the job's overrides; resolved here only when the
     job runs in a process the plan did not run in (a launcher that starts jobs elsewhere)."""
@@ -216,7 +223,7 @@ def _run_point(cfg) -> None:
         measured = run(measure_point, point)
     if point.traffic == "ncu" and measured.get("status") == "ok":
         measured.update(measured_traffic(point))
-    row = build_row(point, measured, roofs)
+    row = build_row(point, measured, roofs, sweep_parallelism())
     write_row(cfg.results_dir, row)
     PROGRESS.written += 1
     if row["status"] != "skipped":

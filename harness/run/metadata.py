@@ -78,10 +78,13 @@ def torch_version() -> str:
     return torch.__version__
 
 
-def run_metadata() -> dict:
+def run_metadata(sweep_parallelism: int = 1) -> dict:
+    """The run's columns; `sweep_parallelism`: points the launcher may run at once (the runner reads it
+    from Hydra's sweeper, 1 for a single point)."""
     return {
         "torch_version": torch_version(),
         "harness_version": harness_version(),
         "git_commit": git_commit(),
         "hostname": socket.gethostname(),
+        "sweep_parallelism": sweep_parallelism,
     }

@@ -80,7 +80,7 @@ def noise_columns(row: dict) -> dict:
     return {"noisy": bool(reasons), "noise_reason": "; ".join(reasons)}
 
 
-def build_row(point: Point, measured: dict, roofs=None) -> dict:
+def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int = 1) -> dict:
     """`measured`: measure_point's outcome (extra keys such as `tokens` are not columns and are
     dropped); `roofs`: a harness.store.calibration.Calibration for the point's device and dtype, or None."""
     outcome = {**dict.fromkeys(COLUMNS_BY_SOURCE["measured"]), "traffic_source": "model",
@@ -88,7 +88,7 @@ def build_row(point: Point, measured: dict, roofs=None) -> dict:
     row = {**flatten(point), **outcome, **model_columns(point)}
     row.update(roof_columns(row, roofs))
     row.update(noise_columns(row))
-    row.update(run_metadata(), timestamp=datetime.now(timezone.utc), point_key=point.key,
+    row.update(run_metadata(sweep_parallelism), timestamp=datetime.now(timezone.utc), point_key=point.key,
                config_json=json.dumps(point.identity(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):
         raise AssertionError(f"row and schema disagree: {sorted(set(row) ^ set(COLUMN_NAMES))}")

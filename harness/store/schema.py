@@ -60,11 +60,15 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("traffic", S, "", "where measured bytes were asked from: model or ncu", "point"),
     ("matmul", S, "", "linear-layer kernel asked for, resolved: aten or onednn", "point"),
     ("threads", I, "", "torch intra-op threads", "point"),
+    ("compile", S, "", "none (eager decode steps) or inductor (decode steps through torch.compile)", "point"),
     # outcome
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
     ("kernel", S, "", "attention kernel that actually ran; null when the point did not run", "measured"),
     ("matmul_kernel", S, "", "linear-layer kernel that ran: aten.linear or onednn.linear(packed weight)", "measured"),
+    ("compile_mode", S, "", "the torch.compile call the decode steps ran through; eager when compile=none", "measured"),
+    ("compile_s", F, "s", "compile=inductor: seconds compiling the decode step before timing (its first calls); null when eager", "measured"),
+    ("compile_recompiles", I, "", "compile=inductor: graphs compiled during the timed steps (0: no recompilation per position); null when eager", "measured"),
     ("device_name", S, "", "processor or GPU model", "measured"),
     # time
     ("prefill_s", F, "s", "median time of the prompt's forward pass over its repeats (null with prefill=random)", "measured"),
@@ -119,6 +123,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("harness_version", S, "", "version of this package", "run"),
     ("git_commit", S, "", "commit of the harness checkout, with +dirty if it had changes", "run"),
     ("hostname", S, "", "machine that ran the point", "run"),
+    ("sweep_parallelism", I, "points", "points of the sweep the launcher may run at once (1: each point timed alone; more: jobs that share a host contend, see contention)", "run"),
     ("point_key", S, "", "hash of the resolved point; a re-run skips keys it already has", "run"),
     ("config_json", S, "JSON", "the resolved point", "run"),
 ]
