@@ -1,4 +1,7 @@
-"""`python -m harness.report results_dir=<dir> [hardware=<datasheet>] [out=<folder>] [baseline=<dir>]`.
+"""`python -m harness.report results_dir=<dir>[,<dir>...] [hardware=<datasheet>] [out=<folder>] [baseline=<dir>]`.
+
+results_dir: one folder, or several separated by commas, read as one table (rows of several hosts or
+GPU types: the report draws each device apart, with its own roofs).
 
 hardware: the datasheet for rows with no calibration and no datasheet matching their device name.
 results_dir must be a folder and out (default <results_dir>/_report) a folder that can be written,
@@ -30,7 +33,8 @@ def parse(argv: list[str]) -> dict:
 def main(argv: list[str]) -> int:
     try:
         options = parse(argv)
-        files = build_report(options["results_dir"], options["hardware"], options["out"],
+        folders = options["results_dir"].split(",") if "," in options["results_dir"] else options["results_dir"]
+        files = build_report(folders, options["hardware"], options["out"],
                              options["baseline"])
     except ReportError as error:
         print(error, file=sys.stderr)

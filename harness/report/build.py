@@ -106,7 +106,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     skipped = table.attrs.get("skipped_files", [])
     blocks: list[Block] = [Heading(TITLE, 1), Paragraph(
-        f"Results folder `{results_dir}`: {len(table)} rows ({_status_counts(table)}); "
+        f"Results folder `{table.attrs.get('results_dir', results_dir)}`: {len(table)} rows ({_status_counts(table)}); "
         f"{len(skipped)} files not read (listed at the end). Written {stamp}.")]
     if table.empty:
         return blocks + [Paragraph(
@@ -156,14 +156,19 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
     """Read every row of results_dir and write <out_dir>/report.md and index.html (and the PNGs).
 
     Checked before anything is written, by the checks the runner uses (harness.config.validate):
-    results_dir a folder, out_dir (default <results_dir>/_report) a folder that can be written, baseline
+    results_dir a folder, or a list of folders read as one table (several hosts or GPU types), out_dir
+    (default <the first results_dir>/_report) a folder that can be written, baseline
     (optional: a section compares with its rows, harness.report.compare) a folder that can be read. A
     fault while writing (a full disk) is a ReportError naming `out`, and report.md, rows.csv and
     index.html are each replaced whole or not at all."""
     try:
-        results_dir = input_folder("results_dir", results_dir)
+        many = not isinstance(results_dir, (str, Path))
+        folders = [input_folder("results_dir", one) for one in (results_dir if many else [results_dir])]
+        if not folders:
+            raise ConfigError("results_dir", "names no folder")
+        results_dir = folders if many else folders[0]
         baseline = compare.baseline_folder(baseline) if baseline is not None else None
-        folder = output_folder("out", out_dir) if out_dir is not None else results_dir / REPORT_DIR
+        folder = output_folder("out", out_dir) if out_dir is not None else folders[0] / REPORT_DIR
         if out_dir is None:
             output_folder("results_dir", folder)
     except ConfigError as error:

@@ -1,10 +1,11 @@
-"""Rows of one model on one device in one dtype: what every plot and comparison is drawn from.
+"""Rows of one model on one machine's device in one dtype: what every plot and comparison is drawn from.
 
-Rows of different shapes, devices or dtypes are never drawn on the same axes; a folder holding several
+Rows of different shapes, devices (two GPU types are two devices) or dtypes are never drawn on the same axes; a folder holding several
 such groups gets one set of plots per group.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -15,7 +16,9 @@ from harness.analysis.results import SERIES, layout_of, shape_of
 
 # The linear-layer kernel is a measurement condition like the dtype: aten and oneDNN rows of the same
 # point differ by 2-7x on a CPU, so they are never drawn as one strategy's points.
-GROUP_KEYS = ["model", "device", "dtype", "matmul_kernel"]
+# A group is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
+# drawn on one axis, each group has its own roofs.
+GROUP_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
 
 
 @dataclass
@@ -44,7 +47,8 @@ class Group:
     @property
     def slug(self) -> str:
         matmul = f"_{self.matmul_kernel.split('.')[0]}" if self.matmul_kernel else ""
-        return f"{self.model}_{self.device}_{self.dtype}{matmul}"
+        machine = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()[:40]
+        return f"{self.model}_{self.device}_{machine}_{self.dtype}{matmul}"
 
     def strategies(self) -> list[str]:
         """The strategies of the group's ok rows: the recompute reference first, then by name."""
@@ -97,8 +101,8 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
     if table.empty or "roof_flops_used" not in table:
         return []
     found = []
-    table = _with_matmul_kernel(table)
-    for (model, device, dtype, matmul_kernel), rows in table.groupby(GROUP_KEYS, sort=True):
+    table = _with_usual_conditions(table)
+    for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(GROUP_KEYS, sort=True):
         predicted = rows[rows["roof_flops_used"].notna()]
         if predicted.empty:
             continue
@@ -108,7 +112,7 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
         ok = ran[~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
         found.append(Group(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
-            device_name=str(first.get("device_name") or device),
+            device_name=str(device_name),
             shape=shape_of(first),
             roof=Roof(float(first["roof_flops_used"]), float(first["roof_bandwidth_used"])),
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
@@ -119,11 +123,16 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
     return sorted(found, key=lambda g: -len(g.ok))
 
 
-def _with_matmul_kernel(table: pd.DataFrame) -> pd.DataFrame:
-    """Rows that did not run (skipped, failed) record no linear kernel: they join the kernel most
-    rows of their model/device/dtype used, so they are listed with those rows."""
-    if "matmul_kernel" not in table:
-        return table.assign(matmul_kernel="")
-    usual = table.groupby(["model", "device", "dtype"])["matmul_kernel"].transform(
-        lambda kernels: kernels.mode().iloc[0] if kernels.notna().any() else "")
-    return table.assign(matmul_kernel=table["matmul_kernel"].fillna(usual))
+def _with_usual_conditions(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows that did not run (skipped, failed) record no linear kernel and may record no device name:
+    they join the kernel and the device most rows of their model/device/dtype used, so they are listed
+    with those rows."""
+    for column, otherwise in (("matmul_kernel", ""), ("device_name", None)):
+        if column not in table:
+            table = table.assign(**{column: otherwise if otherwise is not None else table["device"]})
+            continue
+        usual = table.groupby(["model", "device", "dtype"])[column].transform(
+            lambda values: values.mode().iloc[0] if values.notna().any() else None)
+        filled = table[column].fillna(usual)
+        table = table.assign(**{column: filled.fillna(table["device"] if otherwise is None else otherwise)})
+    return table
