@@ -152,3 +152,13 @@ def test_the_report_leads_with_this_machine_and_lists_rows_that_did_not_run_apar
     assert "| skipped |" not in table and "| failed |" not in table  # those are listed apart, with reasons
     assert "bytes/step (source)" in table and "| ratio |" in table
     assert "max-height" not in files.html.read_text()  # a plain table: screenshots and print keep every row
+
+
+def test_every_row_sets_its_measured_peak_beside_the_memory_models(report):
+    folder, files = report
+    rows = load(folder)
+    ok = rows[rows.status == "ok"]
+    assert (ok.peak_memory_predicted_bytes > ok.weight_bytes).all()
+    assert ((ok.ratio_peak_memory_bytes - ok.peak_memory_bytes / ok.peak_memory_predicted_bytes).abs() < 1e-12).all()
+    header = next(line for line in files.markdown.read_text().splitlines() if line.startswith("| strategy | model |"))
+    assert "| peak memory | peak predicted | ratio |" in header

@@ -168,6 +168,7 @@ RATIOS = (  # measured / analytic
     ("tokens_per_s", "analytic_tokens_per_s"),
     ("kv_cache_bytes", "kv_cache_bytes_model"),
     ("bytes_per_step_measured", "bytes_per_step_model"),
+    ("peak_memory_bytes", "peak_memory_predicted_bytes"),  # the memory model (harness.analysis.peak_memory)
 )
 
 

@@ -53,6 +53,10 @@ class Point:
     traffic: str  # model | ncu (resolved from auto)
     matmul: str  # aten | onednn (resolved from auto): the linear layers' kernel
     threads: int  # torch intra-op threads the point runs with
+    compile: str = "none"  # none | inductor: decode steps eager or through torch.compile
+    # Bytes the point may use, when smaller than the device's free memory (None: the device's). It
+    # decides whether the point runs, not what it measures: left out of the key while unset.
+    memory_limit_bytes: Optional[int] = None
 
     @property
     def max_len(self) -> int:
@@ -61,7 +65,10 @@ class Point:
 
     def identity(self) -> dict[str, Any]:
         """Everything that defines the measurement, as plain JSON-able values."""
-        return asdict(self)
+        identity = asdict(self)
+        if identity["memory_limit_bytes"] is None:
+            del identity["memory_limit_bytes"]  # keys of points without a limit stay as they were
+        return identity
 
     @property
     def key(self) -> str:

@@ -73,6 +73,7 @@ class RunConfig:
     seed: int = 0  # seeds weights and prompt tokens
     prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
     matmul: str = "auto"  # auto|aten|onednn: CPU linear kernel; auto is oneDNN-packed where supported
+    compile: str = "none"  # none|inductor: decode steps through torch.compile (CUDA: reduce-overhead; CPU: C++ codegen)
     traffic: str = "auto"  # auto|model|ncu: where bytes_per_step_measured comes from
     calibrate: bool = False  # re-measure the device's roofs even if a calibration record exists
     results_dir: str = "results"  # Parquet rows, Hydra logs (_hydra/), the calibration (_calibration/); relative to the working directory
@@ -81,6 +82,8 @@ class RunConfig:
     rerun_other_code: bool = False  # re-run points whose row another code state made (its git_commit is not this checkout's)
     calibration_budget_s: float = 120.0  # wall-time budget of one calibration: repeats stop and the GEMM shrinks to fit it
     isolate: bool = True  # run each point in its own process, so its memory peak is its own
+    memory_limit_bytes: Optional[float] = None  # treat the device as this large (bytes): a point that would not fit is a skipped row
+    search: str = "none"  # none | max_batch: find the largest batch that runs within memory_limit_bytes by bisection (+sweep=capacity)
 
 
 def register_schemas() -> None:

@@ -22,6 +22,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_MODES = ("compute", "random")
 TRAFFIC_SOURCES = ("auto", "model", "ncu")
 MATMUL_KERNELS = ("auto", "aten", "onednn")
+COMPILE_MODES = ("none", "inductor")  # harness.measure.compiled
+SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -217,6 +219,12 @@ def validate_run(cfg, cuda_available) -> None:
     one_of("prefill", cfg.prefill, PREFILL_MODES)
     one_of("traffic", cfg.traffic, TRAFFIC_SOURCES)
     one_of("matmul", cfg.matmul, MATMUL_KERNELS)
+    one_of("compile", cfg.compile, COMPILE_MODES)
+    one_of("search", cfg.search, SEARCHES)
+    if cfg.memory_limit_bytes is not None:
+        positive_float("memory_limit_bytes", cfg.memory_limit_bytes, at_least=1, at_most=INT64_MAX)
+    if cfg.search != "none" and cfg.memory_limit_bytes is None:
+        raise ConfigError("memory_limit_bytes", f"search={cfg.search} needs a limit to search within: set memory_limit_bytes=<bytes>")
     validate_timing(cfg.timing)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
     strategy = cfg.strategy
@@ -229,6 +237,9 @@ def validate_run(cfg, cuda_available) -> None:
     if device == "cuda" and not cuda_available():
         raise ConfigError("device", "cuda was asked for but torch sees no CUDA device here; allowed: auto, cpu")
     on_cpu = device == "cpu" or (device == "auto" and not cuda_available())
+    if cfg.timing.cuda_graphs and cfg.compile != "none":
+        raise ConfigError("timing.cuda_graphs", f"compile={cfg.compile} replays its own CUDA graphs (mode=reduce-overhead); "
+                                                "allowed with it: false")
     if cfg.timing.cuda_graphs and on_cpu:
         # Refused rather than ignored: a row must never claim a timing method that did not run.
         raise ConfigError("timing.cuda_graphs", "CUDA graphs need a CUDA device and this point runs on cpu; allowed: false")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.analysis import analytic
+from harness.analysis.peak_memory import predicted_peak_bytes
 
 GIB = 2**30
 _STATUS_FIELD = re.compile(r"^(Vm\w+):\s+(\d+) kB$", re.MULTILINE)
@@ -78,34 +78,17 @@ def available_bytes(device: str) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def required_bytes(point) -> int:
-    """A conservative estimate of a point's peak: weights, cache, and the largest transient tensors.
-
-    The largest forward pass runs T tokens per sequence: the whole sequence without a cache, the
-    prompt for a computed prefill, one token with prefill=random. It holds one layer's activations for
-    B*T tokens (residual, q/k/v, the MLP branches) and, for T > 1, the causal mask of the grouped
-    attention (G*T x T booleans). Attention scores are not materialised: SDPA's CPU and CUDA kernels
-    work block by block. Logits are fp32, batch x vocab. A cache that grows by concatenation holds two
-    copies of itself while it grows.
-    """
-    shape, layout, batch = point.model, point.strategy.layout, point.batch
-    elem = analytic.dtype_bytes(point.dtype)
-    tokens = point.max_len if layout is None else (point.ctx if point.prefill == "compute" else 1)
-    hd = shape.resolved_head_dim
-    activations = batch * tokens * (4 * shape.d_model + 3 * shape.ffn_dim + 2 * shape.n_heads * hd) * elem
-    keys = point.max_len if layout is not None and layout.reads_max_len else tokens  # a mask over max_len
-    mask = (shape.n_heads // shape.n_kv_heads) * tokens * keys if tokens > 1 else 0
-    cache = analytic.kv_cache_bytes(shape, point.dtype, batch, point.max_len, layout)
-    copies = 2 if layout is not None and layout.copies_per_step else 1
-    logits = batch * shape.vocab_size * 4
-    return int(analytic.weight_bytes(shape, point.dtype) + copies * cache + activations + mask + logits)
-
-
 def shortfall(point) -> str | None:
-    """Why the point cannot fit in its device's free memory, or None when it can. The one memory
+    """Why the point cannot fit in its device's free memory (or in `memory_limit_bytes`, when the point
+    sets a smaller one: the device is treated as that large), or None when it can. The one memory
     check of a point: the plan calls it for CPU points before anything runs, the point's own process
     for CUDA points (free GPU memory is known only there)."""
-    need, have = required_bytes(point), available_bytes(point.device)
+    need, have = predicted_peak_bytes(point), available_bytes(point.device)
+    limit = point.memory_limit_bytes
+    if limit is not None and limit < have:
+        if need <= limit:
+            return None
+        return f"does not fit in memory_limit_bytes={limit:,}: needs ~{need / 2**20:,.1f} MiB (the memory model)"
     if need <= have:
         return None
     return f"does not fit in memory: needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB available"

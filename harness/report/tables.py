@@ -25,13 +25,14 @@ def without_empty_columns(block: Table) -> Table:
 
 def rows_table(table: pd.DataFrame) -> Table:
     """Every row that ran (skipped and failed ones are listed apart, with their reasons): measured and
-    analytic time, bytes, cache bytes, their ratios, the bound; columns empty in every row left out."""
+    analytic time, bytes, cache bytes, peak memory against the memory model's, their ratios, the bound;
+    columns empty in every row left out."""
     table = table[table["status"] == "ok"] if "status" in table else table
     header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
               "step measured", "step roofline", "ratio", "prefill measured", "prefill roofline", "ratio",
               "bytes/step (source)", "bytes/step analytic", "ratio", "cache allocated", "cache analytic", "ratio",
-              "tokens/s", "bound", "noisy"]
-    right = [False, False, False, False, True, True, False] + [True] * 13 + [False, False]
+              "peak memory", "peak predicted", "ratio", "tokens/s", "bound", "noisy"]
+    right = [False, False, False, False, True, True, False] + [True] * 16 + [False, False]
     body = []
     for _, row in table.sort_values(ROW_ORDER).iterrows():
         measured_bytes = _get(row, "bytes_per_step_measured")
@@ -50,6 +51,8 @@ def rows_table(table: pd.DataFrame) -> Table:
             fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
             fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "kv_cache_bytes_model")),
             fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
+            fmt.nbytes(_get(row, "peak_memory_bytes")), fmt.nbytes(_get(row, "peak_memory_predicted_bytes")),
+            fmt.ratio(_get(row, "ratio_peak_memory_bytes")),
             fmt.number(_get(row, "tokens_per_s")),
             str(_get(row, "roof_bound") or "–"),
             str(_get(row, "noise_reason") or "–") if _get(row, "noisy") is True else "–",

@@ -40,6 +40,7 @@ from harness.measure.contention import ROOF_LIMIT  # noqa: E402
 from harness.measure.point import measure_point, not_run  # noqa: E402
 from harness.run import calibration  # noqa: E402
 from harness.run.isolation import PointInterrupted, run_inline, run_isolated, stop_fork_server  # noqa: E402
+from harness.run import capacity_search  # noqa: E402
 from harness.run.metadata import git_commit, same_code  # noqa: E402
 from harness.run.summary import closing_line  # noqa: E402
 from harness.run.plan import CONFIG_DIR, CONFIG_NAME, needs_preflight, plan  # noqa: E402
@@ -203,7 +204,12 @@ def run_point(cfg) -> None:
 
 
 def _run_point(cfg) -> None:
-    planned = planned_point(cfg)
+    measure_planned(cfg, planned_point(cfg), sweep_parallelism())
+
+
+def measure_planned(cfg, planned, parallelism: int = 1) -> None:
+    """One point: kept if its row is finished (and no rerun rule applies), else measured (or a skipped
+    row when it cannot fit), its row written whole, its progress line logged."""
     point = planned.point
     PROGRESS.done += 1
     finished = finished_row(cfg.results_dir, point.key)
@@ -223,7 +229,7 @@ def _run_point(cfg) -> None:
         measured = run(measure_point, point)
     if point.traffic == "ncu" and measured.get("status") == "ok":
         measured.update(measured_traffic(point))
-    row = build_row(point, measured, roofs, sweep_parallelism())
+    row = build_row(point, measured, roofs, parallelism)
     write_row(cfg.results_dir, row)
     PROGRESS.written += 1
     if row["status"] != "skipped":
@@ -269,6 +275,17 @@ def quiet_launchers(argv: list[str]) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _search_max_batch(planned) -> list:
+    """search=max_batch: the probes run here, one at a time (no Hydra job: the log goes to the console)."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    def one_more() -> None:  # the progress line's total grows with the probes
+        PROGRESS.total = PROGRESS.done + 1
+
+    probed, largest = capacity_search.search(planned.config, planned, measure_planned, one_more)
+    log.info(capacity_search.answer_line(planned.point, largest))
+    return probed
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:]
@@ -292,9 +309,14 @@ def main() -> int:
     # full disk drops its lines instead of printing logging's own tracebacks; the console keeps them.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     logging.raiseExceptions = False
+    first = the_plan.jobs[0]
+    points = [job.point for job in the_plan.jobs]
     try:
         remove_stale_temporaries(results_dir)
-        run_point()
+        if first.config.search == "max_batch":
+            points = _search_max_batch(first)
+        else:
+            run_point()
     except (KeyboardInterrupt, PointInterrupted):
         stop_fork_server()
         print(f"interrupted: {PROGRESS.written} rows written to '{results_dir}', each whole; run the same "
@@ -305,8 +327,7 @@ def main() -> int:
     except BaseException as error:  # noqa: BLE001 - a fault of the output or of Hydra: one line
         print(_fault_line(error, results_dir), file=sys.stderr)
         return 3
-    line, outcome = closing_line(results_dir, [job.point for job in the_plan.jobs], PROGRESS.statuses,
-                                 _clock(time.monotonic() - PROGRESS.started))
+    line, outcome = closing_line(results_dir, points, PROGRESS.statuses, _clock(time.monotonic() - PROGRESS.started))
     log.info(line)
     # Exit 1: a point failed in this run (a failed row kept by rerun_failed=false is not this run's
     # failure), or left no row. A launcher that ran the points elsewhere left this process no counts.

@@ -162,6 +162,9 @@ def plan(argv: list[str], cuda_available) -> Plan:
             check_point(point)
             does_not_fit = shortfall(point) if point.device == "cpu" and not elsewhere else None
             jobs.append(PlannedPoint(tuple(job), cfg, point, does_not_fit))
+    if jobs and jobs[0].config.search != "none" and len(jobs) > 1:
+        raise ConfigError("search", f"{jobs[0].config.search} searches the batch of one point: give one strategy, "
+                                    "model and ctx (no lists), or search=none for a sweep")
     if not multirun and does_not_fit is not None:
         raise ConfigError("model", f"{point.label()} {does_not_fit}; choose a smaller model, batch or ctx")
     return Plan(multirun=multirun, jobs=jobs)

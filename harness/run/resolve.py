@@ -102,4 +102,6 @@ def point_from_config(cfg) -> Point:
         traffic=resolve_traffic(cfg.traffic, device),
         matmul=resolve_matmul(cfg.matmul, device, dtype),
         threads=torch.get_num_threads(),
+        compile=cfg.compile,
+        memory_limit_bytes=int(cfg.memory_limit_bytes) if cfg.memory_limit_bytes is not None else None,
     )

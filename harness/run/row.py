@@ -8,6 +8,7 @@ import json
 from datetime import datetime, timezone
 
 from harness.analysis import analytic
+from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
 from harness.run.metadata import run_metadata
@@ -47,6 +48,7 @@ def model_columns(point: Point) -> dict:
     return {
         "weight_bytes": analytic.weight_bytes(shape, point.dtype),
         "kv_cache_bytes_model": round(analytic.kv_cache_bytes(shape, point.dtype, point.batch, point.max_len, layout)),
+        "peak_memory_predicted_bytes": predicted_peak_bytes(point),
         "bytes_per_step_model": round(step.bytes),
         "flops_per_step_model": step.flops,
     }

@@ -61,6 +61,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("matmul", S, "", "linear-layer kernel asked for, resolved: aten or onednn", "point"),
     ("threads", I, "", "torch intra-op threads", "point"),
     ("compile", S, "", "none (eager decode steps) or inductor (decode steps through torch.compile)", "point"),
+    ("memory_limit_bytes", I, "B", "memory the point was allowed (memory_limit_bytes=); null: the device's free memory", "point"),
     # outcome
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
@@ -106,6 +107,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     # the analytic model at this point
     ("weight_bytes", I, "B", "bytes of all weights", "model"),
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
+    ("peak_memory_predicted_bytes", I, "B", "the memory model's peak: weights + cache + the largest transients (harness.analysis.peak_memory); compare with peak_memory_bytes", "model"),
     ("bytes_per_step_model", I, "B", "bytes a decode step must move (weights, cache read, written, copied), mean over the timed steps", "model"),
     ("flops_per_step_model", F, "FLOP", "FLOPs of a decode step, mean over the timed steps", "model"),
     # roofs (calibration)

@@ -1,0 +1,53 @@
+"""`+sweep=capacity` (search=max_batch): the largest batch that runs within memory_limit_bytes, measured.
+
+The bisection's guarantee is read back from the rows it wrote: the answer's row is ok with its
+measured peak within the limit, and the row of one batch more exceeds it (or did not run). The paper
+answers beside it come from the memory model and the capacity plan. Bad combinations are refused in
+one line before anything runs.
+"""
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pytest
+
+from tests.hardening_helpers import cli, only_line, seeded
+
+LIMIT = 300_000_000
+SEARCH = ["+sweep=capacity", "device=cpu", f"memory_limit_bytes={LIMIT}", "ctx=256", "decode_tokens=2",
+          "isolate=false"]
+
+
+@pytest.mark.slow
+def test_the_search_finds_the_largest_batch_within_the_limit(tmp_path):
+    result = cli(*SEARCH, f"results_dir={seeded(tmp_path)}", timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    found = re.search(r"measured (\d+); memory model \(weights \+ cache \+ transients\) (\d+); "
+                      r"capacity plan \(weights \+ cache\) (\d+)", output)
+    assert found, output
+    largest, model, plan = map(int, found.groups())
+    rows = pd.read_parquet(tmp_path).set_index("batch")
+    assert (rows.memory_limit_bytes == LIMIT).all() and rows.index.is_unique
+    assert rows.loc[largest, "status"] == "ok" and rows.loc[largest, "peak_memory_bytes"] <= LIMIT
+    above = rows.loc[largest + 1]
+    assert above.status != "ok" or above.peak_memory_bytes > LIMIT
+    assert len(rows) <= 2 * max(largest, model).bit_length() + 2  # a bisection, not a scan
+    assert (rows.peak_memory_predicted_bytes > rows.weight_bytes).all() and model >= 1 and plan >= model
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["memory_limit_bytes=null"], "memory_limit_bytes"),
+    (["memory_limit_bytes=-5"], "memory_limit_bytes"),
+    (["search=max_pages"], "search"),
+])
+def test_a_search_without_a_sensible_limit_is_refused(tmp_path, extra, key):
+    result = cli(*SEARCH, *extra, f"results_dir={tmp_path}")
+    assert result.returncode == 2 and only_line(result.stderr).startswith(f"error: {key}: ")
+    assert not tmp_path.exists() or not list(tmp_path.glob("*.parquet"))
+
+
+def test_a_search_over_a_sweep_is_refused(tmp_path):
+    result = cli("-m", *SEARCH, "strategy=contiguous,paged", f"results_dir={tmp_path}")
+    assert result.returncode == 2 and only_line(result.stderr).startswith("error: search: ")
