@@ -42,7 +42,9 @@ def uniform_like_normal_(tensor: torch.Tensor, std: float, generator: torch.Gene
     seeds = torch.randint(_SEED_RANGE, (len(pieces),), generator=generator).tolist()
 
     def fill(piece: torch.Tensor, seed: int) -> None:
-        with torch.no_grad():  # grad mode is per thread: the pool's threads do not inherit the caller's
+        # Grad and inference modes are per thread: the pool's threads do not inherit the caller's, and
+        # a tensor made under inference mode (a point's) can only be written under it.
+        with torch.inference_mode(piece.is_inference()), torch.no_grad():
             piece.uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
 
     if len(pieces) == 1:
