@@ -59,6 +59,7 @@ class ContiguousLayerCache:
 class ContiguousStrategy(Strategy):
     name = "contiguous"
     backends = BACKENDS
+    compilable = True  # the C kernel is a custom op under torch.compile (strategies.cpu_kernel)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""

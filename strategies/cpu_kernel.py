@@ -172,8 +172,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     """q [B, n_kv, G, D]; k, v [B, n_kv, S, D] cache tables (rows 0..length-1 are read) -> [B, n_kv, G, D].
 
     Softmax(q k^T / sqrt(D)) v for one query position per sequence; the caller has checked
-    `unavailable` and `shape_unsupported`.
+    `unavailable` and `shape_unsupported`. Eager calls go straight to the library; under torch.compile
+    the call is the custom op `harness::decode_attention`, which the graph keeps as one opaque kernel
+    (dynamo cannot trace a ctypes call, and a graph break would run the step eager in pieces).
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.harness.decode_attention(q, k, v, length)
+    return _decode_attention(q, k, v, length)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
     library = CONTIGUOUS_KERNEL.library()
     batch, n_kv, group, head_dim = q.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -186,3 +194,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
         batch, n_kv, group, length, head_dim, head_dim**-0.5, torch.get_num_threads(),
     )
     return out
+
+
+# The op torch.compile sees (registered through torch.library.Library: a dispatch per call, not
+# custom_op's Python wrapper). It reads k and v and writes only its output.
+_LIBRARY = torch.library.Library("harness", "FRAGMENT")
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, SymInt length) -> Tensor")
+_LIBRARY.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("harness::decode_attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, n_kv, G, D], contiguous

@@ -95,6 +95,7 @@ class DynamicStrategy(ContiguousStrategy):
 
     name = "dynamic"
     graph_capturable = False  # refused before anything runs with timing.cuda_graphs=true
+    compilable = False  # its tables grow every step: a new shape, a new graph, per position
 
     def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(copies_per_step=True)
