@@ -11,6 +11,7 @@ import torch
 
 from harness.config import Point
 from harness.measure.accuracy import not_measured, teacher_forced
+from harness.measure.compiled import CompiledSteps
 from harness.measure.contention import CpuTimes, gpu_state, others_fraction
 from harness.measure.device import device_name
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
@@ -69,6 +70,13 @@ def accuracy(point: Point, strategy, model) -> dict:
 
 
 def measure_point(point: Point) -> dict:
+    # Inference mode: no step pays for autograd's version counters and view tracking (measured 15% of
+    # the tiny model's step, which is all overhead).
+    with torch.inference_mode():
+        return _measure_point(point)
+
+
+def _measure_point(point: Point) -> dict:
     device, dtype = torch.device(point.device), getattr(torch, point.dtype)
     torch.set_num_threads(point.threads)
     strategy = point.strategy.instantiate()
@@ -77,6 +85,9 @@ def measure_point(point: Point) -> dict:
         kernel = strategy.kernel(device, dtype, point.model)
     except StrategyUnavailable as unavailable:
         return not_run("skipped", str(unavailable), **common)
+    if point.compile != "none" and not type(strategy).compilable:
+        return not_run("skipped", f"compile={point.compile}: {strategy.name} does not declare itself compilable "
+                                  "(its decode step does not trace into one torch.compile graph)", **common)
     if point.device == "cuda":  # free GPU memory is known only here; CPU points were checked by the plan
         reason = shortfall(point)
         if reason is not None:
@@ -90,9 +101,11 @@ def measure_point(point: Point) -> dict:
     generator = torch.Generator(device=device).manual_seed(point.seed)
     session, first_token, prefill = start_decode(
         point, lambda: strategy.new_session(model, point.batch, point.max_len), generator, timer)
+    compiled = CompiledSteps(session, first_token, device, timer.time) if point.compile != "none" else None
+    step = compiled.step if compiled else session.step  # the prompt above ran eager either way
 
     def first_step_again() -> float:
-        _, seconds = timer.time(lambda: session.step(first_token))
+        _, seconds = timer.time(lambda: step(first_token))
         session.rewind(point.ctx)  # warm-up never advances the sequence: outputs stay comparable
         return seconds
 
@@ -108,7 +121,7 @@ def measure_point(point: Point) -> dict:
         warmup_steps = warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
 
         def timed_step(token):
-            return timer.time(lambda: session.step(token).argmax(-1))
+            return timer.time(lambda: step(token).argmax(-1))
 
     generated, step_seconds = [first_token], []
     before = CpuTimes.now()
@@ -117,6 +130,7 @@ def measure_point(point: Point) -> dict:
         generated.append(token)
         step_seconds.append(seconds)
     contention = others_fraction(before, CpuTimes.now())
+    recompiles = compiled.recompiles_since() if compiled else None  # before any other code can compile
     gpu = gpu_state(device.index or 0) if device.type == "cuda" else {}
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
     memory = peak.read()  # before the accuracy pass below: the point's peak is the timed session's
@@ -128,6 +142,9 @@ def measure_point(point: Point) -> dict:
         "reason": "",
         "kernel": kernel,
         "matmul_kernel": MATMUL_KERNELS[point.matmul],
+        "compile_mode": compiled.call if compiled else "eager",
+        "compile_s": compiled.compile_s if compiled else None,
+        "compile_recompiles": recompiles,
         **common,
         "prefill_s": prefill.p50 if prefill else None,
         "prefill_p10_s": prefill.p10 if prefill else None,
