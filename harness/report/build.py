@@ -16,6 +16,7 @@ from harness.report.groups import Group, groups_of
 from harness.report.formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
+from harness.report.overhead import overhead_section
 from harness.report.summary import memory_split, summary_table
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
@@ -147,6 +148,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         tables.rows_table(table)]
     blocks += layout_section(groups, folder)
     blocks += format_section(groups, folder)
+    blocks += overhead_section(groups, folder)
     blocks += answers(table, groups, sets_by_group)
     return blocks + _not_measured(table)
 

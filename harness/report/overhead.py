@@ -1,0 +1,135 @@
+"""Two sections on the time a step spends beyond its roofline: "what the roofline does not explain"
+(per cached point, the share of the measured step above the roofline time) and "eager against
+compiled" (the same point measured with compile=none and compile=inductor, side by side).
+
+Strategies are told apart by the rows' `series` and capability columns only; no name is compared here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from harness.analysis.results import SERIES
+from harness.report import format as fmt
+from harness.report.document import Block, Heading, Paragraph, Table
+from harness.report.groups import Group, cached_rows
+
+EAGER, COMPILED = "none", "inductor"  # the values of the `compile` column (harness.config.validate)
+POINT = [SERIES, "batch", "ctx", "decode_tokens"]  # a point's identity within a group, compile mode aside
+
+UNEXPLAINED_HEADER = ["series", "compile", "batch", "ctx", "step measured", "step roofline", "unexplained share",
+                      "unexplained time"]
+PAIR_HEADER = ["series", "batch", "ctx", "decode steps", "eager step", "compiled step", "speedup", "compile_s",
+               "recompiles"]
+
+# What the gap usually is on a CPU, stated without numbers: the report measures only its size
+# (docs/performance.md profiles one step of cpu_small and splits it).
+CPU_CAUSES = ("On a CPU it is usually per-operator dispatch, the Python between operators, and small GEMVs "
+              "whose weight matrices are too small to reach the stream bandwidth the roof was calibrated with; "
+              "the table measures the size of the gap, not which of these it is.")
+GPU_CAUSES = ("On a GPU it is usually kernel launches and the host's Python between small kernels; the table "
+              "measures the size of the gap, not which of these it is.")
+
+
+def compile_mode(rows: pd.DataFrame) -> pd.Series:
+    """Each row's compile mode; rows written before the column existed ran eager (null reads as none)."""
+    if "compile" not in rows:
+        return pd.Series(EAGER, index=rows.index)
+    return rows["compile"].fillna(EAGER).astype(str)
+
+
+def unexplained(rows: pd.DataFrame) -> pd.DataFrame:
+    """Cached rows with a measured and a roofline step, `share` = 1 - roofline / measured clipped at 0
+    (a row below its roof, beyond rounding, is noise, not negative overhead: `faster` flags it) and
+    `gap_s`, the time above the roof in seconds."""
+    found = cached_rows(rows).dropna(subset=["decode_step_s", "analytic_decode_step_s"])
+    found = found[found["decode_step_s"] > 0]
+    raw = 1.0 - found["analytic_decode_step_s"] / found["decode_step_s"]
+    return found.assign(compile=compile_mode(found), share=raw.clip(lower=0.0), faster=raw < -1e-9,
+                        gap_s=(found["decode_step_s"] - found["analytic_decode_step_s"]).clip(lower=0.0))
+
+
+def _unexplained_section(groups: list[Group]) -> list[Block]:
+    out: list[Block] = [Heading("What the roofline does not explain"), Paragraph(
+        "Per cached point: the measured step, the roofline time (max of FLOPs ÷ peak and bytes ÷ bandwidth) "
+        "and the share of the step the roofline does not account for, 1 − roofline ÷ measured, with that "
+        "time in ms. Noisy rows are left out.")]
+    shown = False
+    for group in groups:
+        found = unexplained(group.ok).sort_values([SERIES, "compile", "batch", "ctx"])
+        if found.empty:
+            continue
+        shown = True
+        body = [[str(r[SERIES]), str(r["compile"]), fmt.count(r["batch"]), fmt.count(r["ctx"]),
+                 fmt.seconds(r["decode_step_s"]), fmt.seconds(r["analytic_decode_step_s"]),
+                 f"{r['share']:.0%}" + (" (faster than its roof: noisy)" if r["faster"] else ""),
+                 f"{r['gap_s'] * 1e3:.3g} ms"] for _, r in found.iterrows()]
+        out += [Heading(group.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]
+        sentence = (f"Median unexplained share: {found['share'].median():.0%} of the step, over {len(found)} "
+                    f"point(s). {CPU_CAUSES if group.device == 'cpu' else GPU_CAUSES}")
+        faster = int(found["faster"].sum())
+        if faster:
+            sentence += (f" {faster} row(s) ran faster than the roofline allows: their share is shown as 0, and "
+                         "their numbers are noise (a roof calibrated on a busy machine; re-run with `calibrate=true`).")
+        out.append(Paragraph(sentence))
+    if not shown:
+        out.append(Paragraph("No cached strategy has an ok row with a roofline prediction here."))
+    return out
+
+
+def _newest(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per point: the newest where a point was measured more than once (as compare.py does)."""
+    if "timestamp" in rows:
+        rows = rows.sort_values("timestamp", na_position="first")
+    return rows.drop_duplicates(subset=POINT, keep="last").set_index(POINT)
+
+
+def pairs(group: Group) -> pd.DataFrame:
+    """The group's points measured both eager and compiled: eager_s, compiled_s, speedup, compile_s,
+    recompiles per point. A mode measured without its partner is left out."""
+    rows = group.ok.dropna(subset=["decode_step_s"])
+    rows = rows.assign(compile=compile_mode(rows))
+    eager = _newest(rows[rows["compile"] == EAGER])
+    compiled = _newest(rows[rows["compile"] == COMPILED])
+    both = eager.index.intersection(compiled.index)
+    if both.empty:
+        return pd.DataFrame(columns=["eager_s", "compiled_s", "speedup", "compile_s", "recompiles"])
+    eager, compiled = eager.loc[both], compiled.loc[both]
+    found = pd.DataFrame({"eager_s": eager["decode_step_s"], "compiled_s": compiled["decode_step_s"],
+                          "compile_s": compiled.get("compile_s", pd.Series(None, index=both)),
+                          "recompiles": compiled.get("compile_recompiles", pd.Series(None, index=both))}, index=both)
+    return found.assign(speedup=found["eager_s"] / found["compiled_s"]).sort_index()
+
+
+def _compiled_section(groups: list[Group]) -> list[Block]:
+    out: list[Block] = [Heading("Eager against compiled"), Paragraph(
+        "Points measured with both `compile=none` and `compile=inductor` (same series, batch, ctx and decode "
+        "steps): the eager and the compiled step, the speedup (eager ÷ compiled), the seconds spent compiling "
+        "before timing, and the graphs recompiled during the timed steps. Points measured in one mode only "
+        "are not shown.")]
+    shown = False
+    for group in groups:
+        found = pairs(group)
+        if found.empty:
+            continue
+        shown = True
+        body = [[str(series), fmt.count(batch), fmt.count(ctx), fmt.count(steps), fmt.seconds(p["eager_s"]),
+                 fmt.seconds(p["compiled_s"]), fmt.ratio(p["speedup"]), fmt.number(p["compile_s"]),
+                 fmt.count(p["recompiles"])] for (series, batch, ctx, steps), p in found.iterrows()]
+        out += [Heading(group.title, 3), Table(PAIR_HEADER, body, [False] + [True] * 8),
+                Paragraph(f"Median speedup: {fmt.ratio(found['speedup'].median())} over {len(found)} point(s).")]
+    if not shown:
+        first = groups[0] if groups else None
+        model, device = (first.model, first.device) if first else ("<model>", "<device>")
+        cached = (first.plain_cache() if first else None) or "<a compilable cached strategy>"
+        out.append(Paragraph(
+            "No point here ran both eager and compiled; a sweep that does: "
+            f"`python -m harness.run -m model={model} strategy={cached} compile={EAGER},{COMPILED} "
+            f"batch=1,4 ctx=256,1024 device={device}`."))
+    return out
+
+
+def overhead_section(groups: list[Group], folder: Path) -> list[Block]:
+    """Both sections; `folder` (where plots go) is taken like the other sections' though none is drawn."""
+    return _unexplained_section(groups) + _compiled_section(groups)
