@@ -142,3 +142,11 @@ def test_the_closing_line_names_points_that_left_no_row(tmp_path):
     point = SimpleNamespace(key="0123456789abcdef", label=lambda: "contiguous tiny b=1 ctx=8 cpu/float32")
     line, landed = closing_line(str(tmp_path), [point], Counter(), "0:01")
     assert landed.missing and "1 left no row" in line and "contiguous tiny b=1 ctx=8" in line
+
+
+def test_a_short_window_is_padded_to_one_proc_stat_resolves():
+    from harness.measure.contention import MIN_WINDOW_S, others_fraction_since
+
+    start = CpuTimes.now()
+    others_fraction_since(start)
+    assert time.monotonic() - start.wall >= MIN_WINDOW_S

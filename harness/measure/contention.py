@@ -21,6 +21,9 @@ from dataclasses import dataclass
 # process on the other core shows 40-50%, and timings moved by 2-100x. 10% leaves the idle machine's
 # jitter clean and flags anything that competes for a core.
 CONTENTION_LIMIT = 0.10
+# /proc/stat counts in clock ticks (10 ms): over a few milliseconds of steps it reads 0 whatever runs
+# beside them. A window this long resolves a few percent of two cores.
+MIN_WINDOW_S = 0.25
 SPREAD_LIMIT = 2.0  # p90 / p10 of the timed steps: a settled point's steps agree within tens of percent
 ROOF_LIMIT = 1.05  # a roofline fraction above this: the roof, not the step, is wrong
 
@@ -46,6 +49,15 @@ def others_fraction(start: CpuTimes, end: CpuTimes) -> float:
     if wall <= 0:
         return 0.0
     return max(0.0, (end.busy - start.busy) - (end.mine - start.mine)) / (wall * os.cpu_count())
+
+
+def others_fraction_since(start: CpuTimes) -> float:
+    """others_fraction from `start` to now, the window padded to MIN_WINDOW_S by waiting (idle, so the
+    wait adds nothing of this process's own): a point of a few short steps still reads the machine."""
+    left = MIN_WINDOW_S - (time.monotonic() - start.wall)
+    if left > 0:
+        time.sleep(left)
+    return others_fraction(start, CpuTimes.now())
 
 
 def gpu_state(device_index: int = 0) -> dict:

@@ -12,7 +12,7 @@ import torch
 from harness.config import Point
 from harness.measure.accuracy import not_measured, teacher_forced
 from harness.measure.compiled import CompiledSteps
-from harness.measure.contention import CpuTimes, gpu_state, others_fraction
+from harness.measure.contention import CpuTimes, gpu_state, others_fraction_since
 from harness.measure.device import device_name
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
@@ -129,7 +129,7 @@ def _measure_point(point: Point) -> dict:
         token, seconds = timed_step(generated[-1])
         generated.append(token)
         step_seconds.append(seconds)
-    contention = others_fraction(before, CpuTimes.now())
+    contention = others_fraction_since(before)  # the steps, padded to a window /proc/stat resolves
     recompiles = compiled.recompiles_since() if compiled else None  # before any other code can compile
     gpu = gpu_state(device.index or 0) if device.type == "cuda" else {}
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
