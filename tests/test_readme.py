@@ -32,11 +32,13 @@ def test_every_link_between_the_docs_resolves():
 
 
 def test_nothing_refers_outside_the_repository():
-    """The project's text stands alone: no guide, issue or shared folder of the team that wrote it."""
-    needles = ("GUIDE", "shared/", "../shared", "issue ")
+    """The project's text stands alone: nothing names a guide, a tracker entry or a folder of the team that wrote it."""
+    # Spelled in pieces, so that this file holds none of them and is checked like every other.
+    shared = "sha" + "red/"
+    needles = ("GUI" + "DE", shared, "../" + shared, "iss" + "ue ")
     texts = [REPO_ROOT / "README.md", *DOCS, *(REPO_ROOT / "harness").rglob("*.py"),
              *(REPO_ROOT / "strategies").rglob("*.py"), *(REPO_ROOT / "strategies").rglob("*.c"),
              *(REPO_ROOT / "conf").rglob("*.yaml"), *(REPO_ROOT / "tests").rglob("*.py")]
     found = [f"{path.relative_to(REPO_ROOT)}: {needle}" for path in texts for needle in needles
-             if needle in path.read_text() and path.name != "test_readme.py"]
+             if needle in path.read_text()]
     assert not found, "\n".join(found)

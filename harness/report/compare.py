@@ -23,6 +23,7 @@ from harness.config.validate import ConfigError, input_folder
 from harness.report import format as fmt
 from harness.report import plots
 from harness.report.document import Block, Bullets, Figure, Heading, Paragraph, Table
+from harness.report.groups import newest_per_point
 from harness.report.tables import ROW_ORDER
 
 # What makes two rows the same point. decode_tokens is in it because a row's step is the mean over
@@ -77,8 +78,7 @@ def _ok_points(table: pd.DataFrame) -> pd.DataFrame:
     for column in ("noise_reason", "device_name", "backend", "timestamp"):
         if column not in ok:
             ok[column] = None
-    ok = ok.sort_values("timestamp", kind="stable") if ok["timestamp"].notna().all() else ok
-    return ok.drop_duplicates("identity", keep="last")[["identity", *ROW_ORDER, "backend", *SIDE]]
+    return newest_per_point(ok, "identity")[["identity", *ROW_ORDER, "backend", *SIDE]]
 
 
 def _verdict(point) -> str:

@@ -63,6 +63,13 @@ class Group:
 # exact, cache_*), never from its name: a strategy added later appears in every table and plot.
 
 
+def newest_per_point(rows: pd.DataFrame, point_columns) -> pd.DataFrame:
+    """One row per point (rows equal on `point_columns`): the newest where a folder holds re-runs."""
+    if "timestamp" in rows:
+        rows = rows.sort_values("timestamp", kind="stable", na_position="first")
+    return rows.drop_duplicates(subset=point_columns, keep="last")
+
+
 def reference_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows of the recompute-everything reference: strategies that keep no cache."""
     return rows[~rows["caches_kv"].fillna(False).astype(bool)]
@@ -127,12 +134,11 @@ def _with_usual_conditions(table: pd.DataFrame) -> pd.DataFrame:
     """Rows that did not run (skipped, failed) record no linear kernel and may record no device name:
     they join the kernel and the device most rows of their model/device/dtype used, so they are listed
     with those rows."""
-    for column, otherwise in (("matmul_kernel", ""), ("device_name", None)):
+    for column, fallback in (("matmul_kernel", ""), ("device_name", table["device"])):
         if column not in table:
-            table = table.assign(**{column: otherwise if otherwise is not None else table["device"]})
+            table = table.assign(**{column: fallback})
             continue
         usual = table.groupby(["model", "device", "dtype"])[column].transform(
             lambda values: values.mode().iloc[0] if values.notna().any() else None)
-        filled = table[column].fillna(usual)
-        table = table.assign(**{column: filled.fillna(table["device"] if otherwise is None else otherwise)})
+        table = table.assign(**{column: table[column].fillna(usual).fillna(fallback)})
     return table

@@ -13,7 +13,7 @@ import pandas as pd
 from harness.analysis.results import SERIES
 from harness.report import format as fmt
 from harness.report.document import Block, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows
+from harness.report.groups import Group, cached_rows, newest_per_point
 
 EAGER, COMPILED = "none", "inductor"  # the values of the `compile` column (harness.config.validate)
 POINT = [SERIES, "batch", "ctx", "decode_tokens"]  # a point's identity within a group, compile mode aside
@@ -79,10 +79,8 @@ def _unexplained_section(groups: list[Group]) -> list[Block]:
 
 
 def _newest(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per point: the newest where a point was measured more than once (as compare.py does)."""
-    if "timestamp" in rows:
-        rows = rows.sort_values("timestamp", na_position="first")
-    return rows.drop_duplicates(subset=POINT, keep="last").set_index(POINT)
+    """One row per point, indexed by it: the newest where a point was measured more than once."""
+    return newest_per_point(rows, POINT).set_index(POINT)
 
 
 def pairs(group: Group) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 
 Under a launcher that runs points in other processes (submitit's local or Slurm launchers), the parent
 measures nothing itself: only the folder knows what landed. So the closing line counts, for every
-point of the command line, the row its key names there (harness.store.files.finished_row: the one
+point of the command line, the row its key names there (harness.store.files.finished_rows: the one
 definition of a finished point), names the points that failed or left no row (a job killed, or past
 its time limit: the next invocation measures it), and says how to build the report.
 """
@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from harness.run.metadata import git_commit, same_code
-from harness.store.files import finished_row, finished_rows
+from harness.store.files import finished_rows
 
 NAMED = 5  # failed or missing points named in the closing line; the rest are counted
 
@@ -31,11 +31,12 @@ class Landed:
         return sum(self.statuses.values()) + len(self.missing)
 
 
-def landed(results_dir: str, points) -> Landed:
-    """For each planned point (objects with `key` and `label()`), the status of its row in the folder."""
+def landed(rows: dict, points) -> Landed:
+    """For each planned point (objects with `key` and `label()`), the status of its row among the
+    folder's finished rows (key -> row, harness.store.files.finished_rows)."""
     out = Landed()
     for point in points:
-        row = finished_row(results_dir, point.key)
+        row = rows.get(point.key)
         if row is None:
             out.missing.append(point.label())
             continue
@@ -52,7 +53,8 @@ def _named(labels: list) -> str:
 
 def closing_line(results_dir: str, points, this_process: Counter, elapsed: str) -> tuple[str, Landed]:
     """The closing line, and what landed for the points of the command line."""
-    outcome = landed(results_dir, points)
+    rows = finished_rows(results_dir)  # the folder read once, for the points and for its own account
+    outcome = landed(rows, points)
     counts = ", ".join(f"{outcome.statuses[s]} {s}" for s in ("ok", "skipped", "failed") if outcome.statuses[s])
     text = f"{outcome.points} point(s) in {elapsed}: {counts or 'no row'}"
     if this_process.get("already measured"):
@@ -62,13 +64,12 @@ def closing_line(results_dir: str, points, this_process: Counter, elapsed: str) 
     if outcome.missing:
         text += (f"; {len(outcome.missing)} left no row (a job killed or past its time limit; the same "
                  f"command measures them): {_named(outcome.missing)}")
-    text += f". {folder_summary(results_dir)}. Report: python -m harness.report results_dir={shlex.quote(results_dir)}"
+    text += f". {folder_summary(results_dir, rows)}. Report: python -m harness.report results_dir={shlex.quote(results_dir)}"
     return text, outcome
 
 
-def folder_summary(results_dir: str) -> str:
-    """The folder's account: its rows, how many failed, how many other code made."""
-    rows = finished_rows(results_dir)
+def folder_summary(results_dir: str, rows: dict) -> str:
+    """The folder's account from its finished rows: how many, how many failed, how many other code made."""
     statuses = Counter(row.status for row in rows.values())
     current = git_commit()
     other = sum(not same_code(row.git_commit, current) for row in rows.values())
