@@ -2,31 +2,37 @@
  *
  * Built and loaded by strategies/cpu_kernel.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
  * without -ffast-math so loading it leaves the process's floating-point mode alone); used by
- * `contiguous` for its decode steps on a CPU in fp32 (strategy.backend=auto|c).
+ * `contiguous` and `dynamic` for their decode steps on a CPU in fp32, and by `static_full` over its
+ * whole table with a mask (strategy.backend=auto|c).
  *
  * Why a kernel of our own: with a GQA group of G query heads per KV head, decode attention does G
  * multiply-adds per cached value, 2 FLOP/B at G = 4, so reading the cache at the machine's ~30 GB/s
  * needs ~60 GFLOP/s from G-row matrix products. SDPA's CPU kernel (G-row GEMMs through the BLAS)
- * read 8-12 GB/s on the 2-core EPYC here; this one reads 17-20 GB/s (docs/performance.md).
+ * read 8-12 GB/s on the 2-core EPYC here; this one reads 17-25 GB/s (docs/performance.md).
  *
- * How: one task per (sequence, KV head), spread over torch's OpenMP threads. A task walks its cache in
- * blocks of BLOCK keys with an online softmax (FlashAttention's running max and sum), so each key and
- * value row is read from memory exactly once: scores of the block for all G queries (each key row
- * loaded once for the G dot products), then the block's values accumulated into G x D outputs held
- * in registers 16 columns at a time. Software prefetch keeps a few rows in flight: one core's
- * hardware prefetcher alone left the loop waiting on DRAM (9 GB/s per core against 13.5 for a sum).
+ * How: one task per (sequence, KV head), spread over torch's OpenMP threads. A task walks its keys in
+ * blocks of BLOCK with an online softmax (FlashAttention's running max and sum), so each key and value
+ * row is read from memory exactly once: the block's scores for all G queries, then the block's values
+ * accumulated into G x D outputs. Head dimensions 64 and 128 take the fixed-width path of
+ * cpu_attention_fixed.h (vectorised for those widths, and reading 8 segments of the table in lockstep:
+ * its header says why); any other width takes the generic path below (consecutive keys, software
+ * prefetch a few rows ahead).
  * -ffast-math lets the compiler vectorise the reductions and expf (glibc's libmvec); sums are
  * reassociated, so outputs match SDPA's to ~1e-7, not bit for bit.
+ *
+ * `visible` masks keys visible..length-1 (their weight is exactly 0) while still reading them: the
+ * static_full layout, which attends over its whole preallocated table every step.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 64      /* keys per block: a block's scores (MAX_GROUP x BLOCK floats) stay in L1 */
 #define MAX_GROUP 32  /* most query heads per KV head (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
 #define MAX_DIM 512   /* largest head dimension (Llama 3: 128) */
-#define PREFETCH 16   /* key rows to prefetch ahead (2 to 16 measured alike; none: 9 GB/s per core) */
+#define PREFETCH 16   /* key rows the generic path prefetches ahead (none: 9 GB/s per core) */
+
+#include "cpu_attention_fixed.h" /* BLOCK, MASKED and the fixed-width path (head dimensions 64 and 128) */
 
 /* scores[g][j] = scale * q[g] . key_j for the n keys of one block: each key row is loaded once for
  * all G dot products. The value row j and key row j + PREFETCH are prefetched (a prefetch past the
@@ -91,9 +97,10 @@ static void block_values(const float *v, int64_t v_row, int64_t n, int64_t group
     }
 }
 
-/* One (sequence, KV head): out[g] = softmax(scale * q[g] . K^T) V over keys 0..length-1. */
+/* The generic path, any head dimension: one (sequence, KV head), out[g] = softmax(scale * q[g] . K^T) V
+ * over keys 0..length-1, keys visible.. masked. Blocks are consecutive keys. */
 static void attend_one(const float *q, const float *k, int64_t k_row, const float *v, int64_t v_row, float *out,
-                       int64_t group, int64_t length, int64_t dim, float scale) {
+                       int64_t group, int64_t length, int64_t visible, int64_t dim, float scale) {
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][BLOCK], acc[MAX_GROUP][MAX_DIM];
     for (int64_t g = 0; g < group; g++) {
         running_max[g] = -FLT_MAX; /* finite: -ffast-math assumes no infinities */
@@ -103,20 +110,14 @@ static void attend_one(const float *q, const float *k, int64_t k_row, const floa
     for (int64_t start = 0; start < length; start += BLOCK) {
         int64_t n = length - start < BLOCK ? length - start : BLOCK;
         block_scores(q, k + start * k_row, k_row, v + start * v_row, v_row, n, group, dim, scale, p);
-        for (int64_t g = 0; g < group; g++) { /* online softmax: rescale what came before to the new max */
-            float block_max = running_max[g];
-            for (int64_t j = 0; j < n; j++) block_max = p[g][j] > block_max ? p[g][j] : block_max;
-            float correction = expf(running_max[g] - block_max);
-            running_max[g] = block_max;
-            running_sum[g] *= correction;
+        float weight_mask[BLOCK]; /* 1 for a visible key, 0 for a masked one */
+        int masked = start + n > visible;
+        for (int64_t j = 0; j < n; j++) weight_mask[j] = start + j < visible ? 1.0f : 0.0f;
+        for (int64_t g = 0; g < group; g++) {
+            if (masked)
+                for (int64_t j = visible - start < 0 ? 0 : visible - start; j < n; j++) p[g][j] = MASKED;
+            float correction = online_softmax(p[g], n, &running_max[g], &running_sum[g], masked ? weight_mask : NULL);
             for (int64_t d = 0; d < dim; d++) acc[g][d] *= correction;
-            float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-            for (int64_t j = 0; j < n; j++) {
-                p[g][j] = expf(p[g][j] - block_max);
-                block_sum += p[g][j];
-            }
-            running_sum[g] += block_sum;
         }
         block_values(v + start * v_row, v_row, n, group, dim, p, acc);
     }
@@ -126,16 +127,25 @@ static void attend_one(const float *q, const float *k, int64_t k_row, const floa
     }
 }
 
+
 /* q, out: [B, n_kv, G, D] contiguous. k, v: [B, n_kv, S, D] cache tables with element strides
- * k_strides/v_strides (3 each; the last dimension contiguous); keys 0..length-1 are read. */
+ * k_strides/v_strides (3 each; the last dimension contiguous); keys 0..length-1 are read and keys
+ * visible..length-1 are masked (visible = length: none). */
 void decode_attention(const float *q, const float *k, const int64_t *k_strides, const float *v,
                       const int64_t *v_strides, float *out, int64_t batch, int64_t n_kv, int64_t group,
-                      int64_t length, int64_t dim, float scale, int threads) {
+                      int64_t length, int64_t visible, int64_t dim, float scale, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < batch * n_kv; task++) {
         int64_t b = task / n_kv, h = task % n_kv;
-        attend_one(q + task * group * dim, k + b * k_strides[0] + h * k_strides[1], k_strides[2],
-                   v + b * v_strides[0] + h * v_strides[1], v_strides[2], out + task * group * dim, group,
-                   length, dim, scale);
+        const float *q_task = q + task * group * dim;
+        const float *k_task = k + b * k_strides[0] + h * k_strides[1], *v_task = v + b * v_strides[0] + h * v_strides[1];
+        float *out_task = out + task * group * dim;
+        kv_rows rows = {k_task, v_task, k_strides[2], v_strides[2], NULL, 0, 0, 0};
+        if (dim == 64)
+            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 4);
+        else if (dim == 128)
+            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 8);
+        else
+            attend_one(q_task, k_task, k_strides[2], v_task, v_strides[2], out_task, group, length, visible, dim, scale);
     }
 }

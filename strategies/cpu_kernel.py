@@ -21,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -86,11 +87,16 @@ class CKernel:
         self.signatures = signatures  # exported function -> ctypes argument types (all return void)
         self.name = f"{source_name} (fp32, OpenMP)"  # how rows name it
 
+    def headers(self) -> list[Path]:
+        """The headers of strategies/ the source includes (`#include "name.h"`): part of the build's key."""
+        included = re.findall(r'^#include "([^"]+)"', self.source.read_text(), flags=re.MULTILINE)
+        return [self.source.with_name(name) for name in included]
+
     def build(self, compiler: str) -> Path:
         """The compiled library, built now unless a build for this source, compiler, flags and CPU exists."""
         command = shlex.split(compiler)  # CC may carry a wrapper: "ccache gcc"
-        identity = [self.source.read_bytes().decode(), compiler, _compiler_version(command), *COMPILE_FLAGS,
-                    *LINK_FLAGS, _cpu_identity()]
+        identity = [self.source.read_bytes().decode(), *(header.read_text() for header in self.headers()), compiler,
+                    _compiler_version(command), *COMPILE_FLAGS, *LINK_FLAGS, _cpu_identity()]
         key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
         target = cache_dir() / f"{self.source.stem}-{key}.so"
         if target.exists():
@@ -147,8 +153,8 @@ class CKernel:
 
 MAX_GROUP, MAX_DIM = 32, 512  # the contiguous kernel's limits (MAX_GROUP, MAX_DIM in its C source)
 CONTIGUOUS_KERNEL = CKernel("cpu_decode_attention.c", {
-    # q, k, k_strides, v, v_strides, out, batch, n_kv, group, length, dim, scale, threads
-    "decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE,
+    # q, k, k_strides, v, v_strides, out, batch, n_kv, group, length, visible, dim, scale, threads
+    "decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE,
                          ctypes.c_float, ctypes.c_int],
 })
 KERNEL_NAME = CONTIGUOUS_KERNEL.name
@@ -182,6 +188,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    return masked_decode_attention(q, k, v, length, visible=length)
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                            visible: int) -> torch.Tensor:
+    """`decode_attention` reading rows 0..length-1 of k and v, of which rows visible.. get weight 0.
+
+    The masked rows are still read and multiplied (by an exact 0): what attention over a whole
+    preallocated table under a mask costs, as `static_full` measures.
+    """
     library = CONTIGUOUS_KERNEL.library()
     batch, n_kv, group, head_dim = q.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -191,7 +207,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length:
     strides = ctypes.c_int64 * 3
     library.decode_attention(
         q.data_ptr(), k.data_ptr(), strides(*k.stride()[:3]), v.data_ptr(), strides(*v.stride()[:3]), out.data_ptr(),
-        batch, n_kv, group, length, head_dim, head_dim**-0.5, torch.get_num_threads(),
+        batch, n_kv, group, length, visible, head_dim, head_dim**-0.5, torch.get_num_threads(),
     )
     return out
 

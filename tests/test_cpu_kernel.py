@@ -36,6 +36,33 @@ def test_matches_sdpa_over_the_filled_prefix_of_a_larger_table(batch, n_kv, grou
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,n_kv,group,head_dim,length", list(attention_cases()))
+def test_masked_rows_are_read_but_weigh_nothing(batch, n_kv, group, head_dim, length):
+    """static_full's read: all `length` rows, those from `visible` on weighted exactly 0."""
+    generator = torch.Generator().manual_seed(length + 1)
+    table_k = torch.randn(batch, n_kv, length, head_dim, generator=generator) * 4  # [B, n_kv, S, D]
+    table_v = torch.randn(batch, n_kv, length, head_dim, generator=generator)
+    q = torch.randn(batch, n_kv, group, head_dim, generator=generator)  # [B, n_kv, G, D]
+    for visible in sorted({1, max(1, length // 3), length}):
+        expected = F.scaled_dot_product_attention(q, table_k[:, :, :visible], table_v[:, :, :visible])
+        got = cpu_kernel.masked_decode_attention(q, table_k, table_v, length, visible=visible)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_long_tables_interleave_their_segments_exactly():
+    """Lengths around the interleaved blocks' edges (multiples of 64 and the tail past them), both
+    fixed widths: every key counted once, whatever the order the kernel reads them in."""
+    generator = torch.Generator().manual_seed(7)
+    for head_dim in (64, 128):
+        for length in (63, 64, 65, 127, 128, 511, 512, 513, 1000):
+            table_k = torch.randn(2, 2, length, head_dim, generator=generator)
+            table_v = torch.randn(2, 2, length, head_dim, generator=generator)
+            q = torch.randn(2, 2, 4, head_dim, generator=generator)
+            expected = F.scaled_dot_product_attention(q, table_k, table_v)
+            torch.testing.assert_close(cpu_kernel.decode_attention(q, table_k, table_v, length), expected,
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
     """-ffast-math at link time would add a constructor that flushes denormals to zero process-wide."""
     assert cpu_kernel.unavailable(CPU, torch.float32) is None  # loaded by now

@@ -1,0 +1,231 @@
+/* The fixed-width decode attention both CPU kernels share (cpu_decode_attention.c for contiguous
+ * tables, cpu_paged_attention.c for paged pools), for head dimensions 16 * lines = 64 and 128.
+ *
+ * Included by those sources, which define MAX_GROUP and MAX_DIM first. Why it is shaped this way
+ * (measured on a 2-core Xeon VM, docs/performance.md):
+ * - Compute. Rows are handled as 16-float vectors in loops of a constant trip count, and the dot
+ *   products of 16 keys are reduced together by a transpose tree instead of one horizontal sum per key
+ *   and query head: on a cache-resident table that doubled the rate of the previous kernels, which
+ *   were compute-bound at 15-16 GB/s.
+ * - Memory-level parallelism. One core reading one stream reached 16-20 GB/s here, reading 4 or more
+ *   streams interleaved every <= 1 KB 25-28 GB/s; software prefetch did not close that gap. So a block
+ *   is not BLOCK consecutive keys: the keys are split into STREAMS equal segments and a block takes
+ *   BLOCK / STREAMS keys from each, in chunks of CHUNK_BYTES that alternate between the segments (8
+ *   segments of 512 B chunks measured 5-10% faster than 4 of 1 KB, 2 segments slower). Softmax does not
+ *   care in which order keys are summed, so this changes only the rounding (~1e-7).
+ * - A row is found through kv_rows: a contiguous table, or a paged pool and its block table, resolved
+ *   once per run of consecutive keys (one division, then a cursor).
+ * `visible` masks keys visible..length-1 (weight exactly 0) while still reading them: static_full.
+ */
+#ifndef CPU_ATTENTION_FIXED_H
+#define CPU_ATTENTION_FIXED_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64         /* keys per online-softmax block: its scores (MAX_GROUP x BLOCK floats) stay in L1 */
+#define STREAMS 8        /* segments read in lockstep (a pure read: 1 stream 16-20 GB/s, 4 or more 25-28) */
+#define CHUNK_BYTES 512  /* bytes read from one segment before the next (4 KB chunks lost the gain) */
+#define MASKED (-FLT_MAX) /* a masked key's score: finite, as -ffast-math assumes no infinities */
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias)); /* 16 floats, one cache line */
+
+static inline vec16 load16(const float *p) { return *(const vec16 *)p; }
+static inline void store16(float *p, vec16 v) { *(vec16 *)p = v; }
+
+/* Half of each 2h-lane segment of x and of y, summed: segment s of the result holds x's segment s
+ * folded to h lanes, then y's. Four such steps reduce 16 vectors to one vector of their 16 sums. */
+#define FOLD(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+static inline vec16 fold8(vec16 x, vec16 y) {
+    return FOLD(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           FOLD(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline vec16 fold4(vec16 x, vec16 y) {
+    return FOLD(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           FOLD(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+static inline vec16 fold2(vec16 x, vec16 y) {
+    return FOLD(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           FOLD(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+static inline vec16 fold1(vec16 x, vec16 y) {
+    return FOLD(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           FOLD(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+/* Lane j of the result: the sum of part[j]'s 16 lanes. The tree leaves lane j holding input
+ * bitreverse(j), so it takes its inputs in bit-reversed order. */
+static inline vec16 sum16(const vec16 part[16]) {
+    static const int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    vec16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = fold8(part[order[2 * i]], part[order[2 * i + 1]]);
+    for (int i = 0; i < 4; i++) b[i] = fold4(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) c[i] = fold2(b[2 * i], b[2 * i + 1]);
+    return fold1(c[0], c[1]);
+}
+
+/* One block of an online softmax (FlashAttention's running max and sum) for one query row: the n
+ * scores become weights exp(score - max) in place, and the running max and sum take the block in.
+ * Returns the factor the output accumulated so far must be scaled by (the old max against the new).
+ * weight_mask (NULL: none) is 1 for a visible key and 0 for a masked one, whose score was MASKED. */
+static inline float online_softmax(float *scores, int64_t n, float *running_max, float *running_sum,
+                                   const float *weight_mask) {
+    float block_max = *running_max;
+    for (int64_t j = 0; j < n; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
+    float correction = expf(*running_max - block_max), block_sum = 0.0f;
+    *running_max = block_max;
+    if (weight_mask != NULL) {
+        /* A masked weight is exactly 0. Its exponent is clamped first: libmvec's vector expf leaves for
+         * a scalar fallback on arguments far below its range (measured 30% slower). */
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t j = 0; j < n; j++) {
+            scores[j] = weight_mask[j] * expf(fmaxf(scores[j] - block_max, -87.0f));
+            block_sum += scores[j];
+        }
+    } else {
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t j = 0; j < n; j++) {
+            scores[j] = expf(scores[j] - block_max);
+            block_sum += scores[j];
+        }
+    }
+    *running_sum = *running_sum * correction + block_sum;
+    return correction;
+}
+
+/* Where one (sequence, KV head)'s rows are: row p of a contiguous table at k + p * k_row, or, paged,
+ * row p % block_size of block pages[p / block_size], each block block_stride elements from the last. */
+typedef struct {
+    const float *k, *v;    /* the table (or the pool) at this KV head */
+    int64_t k_row, v_row;  /* elements from one row to the next */
+    const int32_t *pages;  /* paged: this sequence's block ids; NULL: a contiguous table */
+    int64_t block_size, k_block, v_block; /* paged: rows per block, elements from one block to the next */
+} kv_rows;
+
+/* Rows first .. first + count - 1 into key_rows/value_rows/keys at positions at[0], at[1], ...:
+ * one division per run, then a cursor that steps to the next block at a block boundary. */
+static inline void locate_run(const kv_rows *rows, int64_t first, int64_t count, const int64_t *at,
+                              const float **key_rows, const float **value_rows, int64_t *keys) {
+    if (rows->pages == NULL) {
+        for (int64_t i = 0; i < count; i++) {
+            key_rows[at[i]] = rows->k + (first + i) * rows->k_row;
+            value_rows[at[i]] = rows->v + (first + i) * rows->v_row;
+            keys[at[i]] = first + i;
+        }
+        return;
+    }
+    int64_t page = first / rows->block_size, offset = first % rows->block_size;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t block = rows->pages[page];
+        key_rows[at[i]] = rows->k + block * rows->k_block + offset * rows->k_row;
+        value_rows[at[i]] = rows->v + block * rows->v_block + offset * rows->v_row;
+        keys[at[i]] = first + i;
+        if (++offset == rows->block_size) { /* a lookup of the next id happens only when a row needs it */
+            offset = 0;
+            page++;
+        }
+    }
+}
+
+/* The rows of block `index` (n of them, in the order they are read) and their key numbers. The first
+ * `interleaved` blocks take BLOCK / STREAMS keys from each of STREAMS equal segments, `chunk`
+ * consecutive keys at a time; the blocks after them are consecutive keys from `tail_start` on. */
+static inline void block_rows(const kv_rows *rows, int64_t index, int64_t interleaved, int64_t segment,
+                              int64_t tail_start, int64_t n, int64_t chunk, const float **key_rows,
+                              const float **value_rows, int64_t keys[BLOCK]) {
+    int64_t at[BLOCK];
+    if (index < interleaved) {
+        for (int64_t stream = 0; stream < STREAMS; stream++) {
+            for (int64_t within = 0; within < BLOCK / STREAMS; within++)
+                at[within] = (within / chunk) * chunk * STREAMS + stream * chunk + within % chunk;
+            locate_run(rows, stream * segment + index * (BLOCK / STREAMS), BLOCK / STREAMS, at, key_rows,
+                       value_rows, keys);
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) at[j] = j;
+        locate_run(rows, tail_start + (index - interleaved) * BLOCK, n, at, key_rows, value_rows, keys);
+    }
+}
+
+/* One (sequence, KV head) with head dimension 16 * lines: out[g] = softmax(scale * q[g] . K^T) V. */
+static inline __attribute__((always_inline)) void attend_fixed(
+        const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length, int64_t visible, float scale,
+        const int lines) {
+    const int64_t dim = 16 * lines;
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][BLOCK];
+    vec16 acc[MAX_GROUP][MAX_DIM / 16];
+    for (int64_t g = 0; g < group; g++) {
+        running_max[g] = -FLT_MAX;
+        running_sum[g] = 0.0f;
+        for (int c = 0; c < lines; c++) acc[g][c] = (vec16){0};
+    }
+    int64_t chunk = CHUNK_BYTES / (int64_t)(sizeof(float) * dim); /* keys read from a segment in a row */
+    int64_t interleaved = length / BLOCK, segment = interleaved * (BLOCK / STREAMS);
+    int64_t tail_start = STREAMS * segment, blocks = interleaved + (length - tail_start + BLOCK - 1) / BLOCK;
+    int64_t keys[BLOCK];
+    const float *key_rows[BLOCK], *value_rows[BLOCK];
+    float weight_mask[BLOCK]; /* 1 for a visible key, 0 for a masked one */
+    for (int64_t index = 0; index < blocks; index++) {
+        int64_t n = index < interleaved ? BLOCK : length - tail_start - (index - interleaved) * BLOCK;
+        if (n > BLOCK) n = BLOCK;
+        block_rows(rows, index, interleaved, segment, tail_start, n, chunk, key_rows, value_rows, keys);
+        int masked = 0;
+        for (int64_t j = 0; j < n; j++) {
+            weight_mask[j] = keys[j] < visible ? 1.0f : 0.0f;
+            masked |= keys[j] >= visible;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            vec16 qg[MAX_DIM / 16];
+#pragma GCC unroll 8
+            for (int c = 0; c < lines; c++) qg[c] = load16(q + g * dim + 16 * c) * scale;
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16) {
+                vec16 part[16];
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++) {
+                    const float *key = key_rows[j + r];
+                    vec16 s = qg[0] * load16(key);
+#pragma GCC unroll 8
+                    for (int c = 1; c < lines; c++) s += qg[c] * load16(key + 16 * c);
+                    part[r] = s;
+                }
+                store16(&p[g][j], sum16(part));
+            }
+            for (; j < n; j++) { /* the last block's remainder */
+                const float *key = key_rows[j];
+                vec16 s = qg[0] * load16(key);
+#pragma GCC unroll 8
+                for (int c = 1; c < lines; c++) s += qg[c] * load16(key + 16 * c);
+                float total = 0;
+                for (int l = 0; l < 16; l++) total += s[l];
+                p[g][j] = total;
+            }
+            if (masked)
+                for (int64_t i = 0; i < n; i++)
+                    if (keys[i] >= visible) p[g][i] = MASKED;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float correction = online_softmax(p[g], n, &running_max[g], &running_sum[g], masked ? weight_mask : NULL);
+            vec16 a[MAX_DIM / 16]; /* this query head's output row, in registers across the block */
+#pragma GCC unroll 8
+            for (int c = 0; c < lines; c++) a[c] = acc[g][c] * correction;
+            for (int64_t j = 0; j < n; j++) {
+                const float *value = value_rows[j];
+                float weight = p[g][j];
+#pragma GCC unroll 8
+                for (int c = 0; c < lines; c++) a[c] += weight * load16(value + 16 * c);
+            }
+#pragma GCC unroll 8
+            for (int c = 0; c < lines; c++) acc[g][c] = a[c];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float inverse = 1.0f / running_sum[g];
+#pragma GCC unroll 8
+        for (int c = 0; c < lines; c++) store16(out + g * dim + 16 * c, acc[g][c] * inverse);
+    }
+}
+
+#endif
