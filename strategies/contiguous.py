@@ -56,6 +56,22 @@ class ContiguousLayerCache:
         return grouped_attention(q, self.k[:, :, :end], self.v[:, :, :end], q_offset=start_pos)
 
 
+def resolve_c_or_sdpa(backend: str, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+    """The kernel `backend` (auto, c or sdpa) resolves to where the C kernel is the first choice: `c`
+    where cpu_decode_attention.c runs for this device, dtype and shape, else `sdpa` for auto, and
+    StrategyUnavailable with the reason for a `c` asked for by name."""
+    if backend == "sdpa":
+        return "sdpa"
+    reason = cpu_kernel.unavailable(device, dtype)
+    if reason is None and shape is not None:
+        reason = cpu_kernel.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
+    if reason is None:
+        return "c"
+    if backend == "c":
+        raise StrategyUnavailable(reason)
+    return "sdpa"
+
+
 class ContiguousStrategy(Strategy):
     name = "contiguous"
     backends = BACKENDS
@@ -64,16 +80,7 @@ class ContiguousStrategy(Strategy):
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""
         super().resolve_backend(device, dtype, shape)
-        if self.backend == "sdpa":
-            return "sdpa"
-        reason = cpu_kernel.unavailable(device, dtype)
-        if reason is None and shape is not None:
-            reason = cpu_kernel.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
-        if reason is None:
-            return "c"
-        if self.backend == "c":
-            raise StrategyUnavailable(reason)
-        return "sdpa"
+        return resolve_c_or_sdpa(self.backend, device, dtype, shape)
 
     def kernel(self, device, dtype, shape=None) -> str:
         return C_KERNEL if self.resolve_backend(device, dtype, shape) == "c" else SDPA_KERNEL

@@ -13,7 +13,14 @@ Exact: a masked position's score is -inf, its softmax weight exactly 0, and the 
 unfilled rows add nothing (a NaN there would: 0 * NaN is NaN). The mask is built once per forward pass
 and shared by the layers, as transformers builds its causal mask once per forward.
 
-One kernel: torch SDPA on the grouped queries (no K/V repeat, as strategies.attention), any device.
+Attention kernels (`strategy.backend`), both over all max_len positions:
+- `sdpa`: torch SDPA on the grouped queries (no K/V repeat, as strategies.attention) with the boolean
+  mask, any device: what StaticCache runs.
+- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel) told to read
+  all max_len rows and give the unwritten ones weight exactly 0, so the step reads what SDPA's does at
+  the rate the contiguous cache's reads run; the prompt still goes through SDPA with the mask. Where
+  the kernel cannot run, the point is skipped with the reason.
+- `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
 """
 from __future__ import annotations
 
@@ -21,10 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import CacheLayout
+from strategies import cpu_kernel
 from strategies.base import CachedSession, Strategy, StrategyOptionError
-from strategies.contiguous import ContiguousLayerCache
+from strategies.contiguous import ContiguousLayerCache, resolve_c_or_sdpa
 
 KERNEL_NAME = "torch.sdpa(grouped q, no K/V repeat) over all max_len positions with a boolean mask"
+C_KERNEL = (f"{cpu_kernel.KERNEL_NAME} over all max_len positions, unwritten ones weighted 0, for decode "
+            f"steps; {KERNEL_NAME} for the prompt")
 
 
 class FullLengthMask:
@@ -46,15 +56,21 @@ class FullLengthMask:
 
 
 class StaticFullLayerCache(ContiguousLayerCache):
-    def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype, mask: FullLengthMask):
+    def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype, mask: FullLengthMask,
+                 use_c_kernel: bool):
         super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
         self.full_length_mask = mask
+        self.use_c_kernel = use_c_kernel  # decode steps through cpu_kernel.masked_decode_attention
 
     def attend(self, q, k, v, start_pos):
-        self.write(k, v, start_pos)
+        end = self.write(k, v, start_pos)
         batch, seq_len, n_heads, head_dim = q.shape
         n_kv = self.k.shape[1]
         group = n_heads // n_kv
+        if seq_len == 1 and self.use_c_kernel:
+            grouped = q.reshape(batch, n_kv, group, head_dim)  # [B, n_kv, G, D], head h = kv * G + g
+            out = cpu_kernel.masked_decode_attention(grouped, self.k, self.v, self.k.shape[2], visible=end)
+            return out.view(batch, 1, n_heads, head_dim)
         q_grouped = (
             q.view(batch, seq_len, n_kv, group, head_dim)
             .permute(0, 2, 3, 1, 4)
@@ -71,7 +87,7 @@ class StaticFullLayerCache(ContiguousLayerCache):
 
 class StaticFullStrategy(Strategy):
     name = "static_full"
-    backends = ("sdpa",)
+    backends = ("sdpa", "c")
 
     def __init__(self, backend: str = "auto", max_len: int | None = None):
         super().__init__(backend)
@@ -91,17 +107,19 @@ class StaticFullStrategy(Strategy):
             raise StrategyOptionError("max_len", f"{self.max_len} cannot hold the point's ctx + decode_tokens = {max_len}")
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
+        """`c` or `sdpa` for this device, dtype and model shape, as `contiguous` resolves them."""
         super().resolve_backend(device, dtype, shape)
-        return "sdpa"  # the only kernel, whether asked for by name or by auto
+        return resolve_c_or_sdpa(self.backend, device, dtype, shape)
 
     def kernel(self, device, dtype, shape=None) -> str:
-        self.resolve_backend(device, dtype, shape)
-        return KERNEL_NAME
+        return C_KERNEL if self.resolve_backend(device, dtype, shape) == "c" else KERNEL_NAME
 
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
         max_len = max(max_len, self.max_len or 0)  # the table StaticCache would allocate (max_cache_len)
         mask = FullLengthMask(max_len, model.device)
-        caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype, mask)
+        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
+        caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
+                                       mask, use_c)
                   for _ in range(c.n_layers)]
         return CachedSession(model, caches, max_len)

@@ -42,7 +42,9 @@ CACHED = [
     (PagedStrategy, {"backend": "torch", "block_size": 16}),
     (DynamicStrategy, {"backend": "sdpa"}),
     (DynamicStrategy, {"backend": "c"}),
-    (StaticFullStrategy, {}),
+    (StaticFullStrategy, {"backend": "sdpa"}),
+    (StaticFullStrategy, {"backend": "c"}),
+    (StaticFullStrategy, {"backend": "c", "max_len": 300}),  # a table filled to a fraction
 ]
 CACHED_IDS = [f"{cls.name}-" + "-".join(str(v) for v in options.values()) if options else cls.name
               for cls, options in CACHED]
@@ -301,7 +303,7 @@ def test_flash_attn_refuses_a_block_size_fa2_cannot_page():
 
 
 def test_unknown_backends_are_refused():
-    for cls, backend in ((DynamicStrategy, "flash_attn"), (StaticFullStrategy, "c"), (PagedStrategy, "sdpa")):
+    for cls, backend in ((DynamicStrategy, "flash_attn"), (StaticFullStrategy, "flash_attn"), (PagedStrategy, "sdpa")):
         with pytest.raises(StrategyOptionError, match="strategy.backend"):
             cls(backend=backend)
 
@@ -309,7 +311,10 @@ def test_unknown_backends_are_refused():
 def test_kernel_names_say_what_runs():
     assert PagedStrategy(backend="torch").kernel(CPU, torch.float32).startswith("gather + ")
     assert "flash" not in PagedStrategy(backend="torch").kernel(CPU, torch.float32)
-    assert "max_len" in StaticFullStrategy().kernel(CPU, torch.float32)
+    assert "max_len" in StaticFullStrategy(backend="sdpa").kernel(CPU, torch.float32)
+    if C_KERNEL_REASON is None:
+        assert StaticFullStrategy().kernel(CPU, torch.float32, TINY).startswith("cpu_decode_attention.c")
+        assert "max_len" in StaticFullStrategy().kernel(CPU, torch.float32, TINY)
     if C_KERNEL_REASON is None:
         assert PagedStrategy().kernel(CPU, torch.float32, TINY).startswith("cpu_paged_attention.c")
 
