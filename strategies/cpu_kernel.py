@@ -182,12 +182,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     the call is the custom op `harness::decode_attention`, which the graph keeps as one opaque kernel
     (dynamo cannot trace a ctypes call, and a graph break would run the step eager in pieces).
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.harness.decode_attention(q, k, v, length)
-    return _decode_attention(q, k, v, length)
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
     return masked_decode_attention(q, k, v, length, visible=length)
 
 
@@ -198,6 +192,12 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     The masked rows are still read and multiplied (by an exact 0): what attention over a whole
     preallocated table under a mask costs, as `static_full` measures.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.harness.decode_attention(q, k, v, length, visible)
+    return _decode_attention(q, k, v, length, visible)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, visible: int) -> torch.Tensor:
     library = CONTIGUOUS_KERNEL.library()
     batch, n_kv, group, head_dim = q.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -215,10 +215,10 @@ def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 # The op torch.compile sees (registered through torch.library.Library: a dispatch per call, not
 # custom_op's Python wrapper). It reads k and v and writes only its output.
 _LIBRARY = torch.library.Library("harness", "FRAGMENT")
-_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, SymInt length) -> Tensor")
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, SymInt length, SymInt visible) -> Tensor")
 _LIBRARY.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("harness::decode_attention")
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, visible: int) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, n_kv, G, D], contiguous

@@ -46,13 +46,19 @@ class FullLengthMask:
         self.mask = None
 
     def get(self, start_pos: int, seq_len: int, group: int) -> torch.Tensor:
+        # Under torch.compile the mask is built in the graph every step (a few small ops): one cached on
+        # this object would be a guard on its key, and a recompilation per position.
+        if torch.compiler.is_compiling():
+            return self.build(start_pos, seq_len, group)
         if self.key != (start_pos, seq_len, group):
-            # Row (g, t) is the query at position start_pos + t: it sees keys 0 .. start_pos + t, which
-            # also hides every position not yet written.
-            query_pos = (torch.arange(seq_len, device=self.key_positions.device) + start_pos).repeat(group)  # [G*T]
-            self.mask = self.key_positions[None, :] <= query_pos[:, None]  # [G*T, max_len]
-            self.key = (start_pos, seq_len, group)
+            self.mask, self.key = self.build(start_pos, seq_len, group), (start_pos, seq_len, group)
         return self.mask
+
+    def build(self, start_pos: int, seq_len: int, group: int) -> torch.Tensor:
+        # Row (g, t) is the query at position start_pos + t: it sees keys 0 .. start_pos + t, which
+        # also hides every position not yet written.
+        query_pos = (torch.arange(seq_len, device=self.key_positions.device) + start_pos).repeat(group)  # [G*T]
+        return self.key_positions[None, :] <= query_pos[:, None]  # [G*T, max_len]
 
 
 class StaticFullLayerCache(ContiguousLayerCache):
@@ -88,6 +94,9 @@ class StaticFullLayerCache(ContiguousLayerCache):
 class StaticFullStrategy(Strategy):
     name = "static_full"
     backends = ("sdpa", "c")
+    # Fixed shapes are the layout's reason to exist: one graph for every position. The C kernel is the
+    # custom op harness::decode_attention under torch.compile (strategies.cpu_kernel).
+    compilable = True
 
     def __init__(self, backend: str = "auto", max_len: int | None = None):
         super().__init__(backend)

@@ -17,10 +17,11 @@ TINY_POINT = ("model=tiny", "ctx=24", "decode_tokens=6", "timing.warmup_max=3")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["c", "sdpa"])
-def test_compiled_steps_generate_the_eager_tokens(backend):
-    """Both attention kernels of contiguous: the C one enters the graph as a custom op, SDPA as itself."""
-    eager = planned_point(*TINY_POINT, "strategy=contiguous", f"strategy.backend={backend}")
+@pytest.mark.parametrize("strategy,backend", [("contiguous", "c"), ("contiguous", "sdpa"), ("static_full", "c")])
+def test_compiled_steps_generate_the_eager_tokens(strategy, backend):
+    """Both attention kernels of contiguous: the C one enters the graph as a custom op, SDPA as itself;
+    and static_full, whose fixed shapes are what compilation wants, its masked read the same custom op."""
+    eager = planned_point(*TINY_POINT, f"strategy={strategy}", f"strategy.backend={backend}")
     compiled = dataclasses.replace(eager, compile="inductor")
     eager_row, compiled_row = measure_point(eager), measure_point(compiled)
     assert eager_row["status"] == compiled_row["status"] == "ok", compiled_row["reason"]
