@@ -142,9 +142,9 @@ void decode_attention(const float *q, const float *k, const int64_t *k_strides, 
         float *out_task = out + task * group * dim;
         kv_rows rows = {k_task, v_task, k_strides[2], v_strides[2], NULL, 0, 0, 0};
         if (dim == 64)
-            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 4);
+            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 64 / LANES);
         else if (dim == 128)
-            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 8);
+            attend_fixed(q_task, &rows, out_task, group, length, visible, scale, 128 / LANES);
         else
             attend_one(q_task, k_task, k_strides[2], v_task, v_strides[2], out_task, group, length, visible, dim, scale);
     }

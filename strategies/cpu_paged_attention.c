@@ -232,9 +232,9 @@ void paged_decode_attention(const float *q, const float *k_pool, const int64_t *
             const float *q_task = q + task * group * dim;
             float *out_task = out + task * group * dim;
             if (dim == 64)
-                attend_fixed(q_task, &rows, out_task, group, length, length, scale, 4);
+                attend_fixed(q_task, &rows, out_task, group, length, length, scale, 64 / LANES);
             else
-                attend_fixed(q_task, &rows, out_task, group, length, length, scale, 8);
+                attend_fixed(q_task, &rows, out_task, group, length, length, scale, 128 / LANES);
         }
         return;
     }
