@@ -32,4 +32,8 @@ pd.set_option("display.width", 250)
 print(rows[["strategy", "kernel", "model", "batch", "ctx", "status", "timing_method", "decode_step_s", "tokens_per_s",
             "kv_cache_bytes", "peak_memory_bytes", "bandwidth_fraction", "roofline_fraction", "bytes_per_step_model",
             "bytes_per_step_measured", "traffic_source", "tokens_digest", "reason"]].to_string())
+exact = rows[(rows.status == "ok") & rows.exact & ~rows.timing_cuda_graphs & (rows.traffic != "ncu")]
+digests = exact.groupby(["model", "n_layers", "batch", "ctx"])["tokens_digest"].nunique()
+print("exact strategies' tokens equal at every point:", bool((digests == 1).all()))
+print(digests[digests > 1].to_string() if (digests > 1).any() else "")
 PY
