@@ -13,8 +13,11 @@ Pool layout, per backend (the kernel that reads the pool decides it):
   the C kernel walks each (sequence, KV head) as runs of whole rows, block after block. Token-major
   (below) puts a head's consecutive rows n_kv * D floats apart; on it the previous C kernel took
   1.19-1.21x the contiguous kernel's time at block 16 and 1.12-1.15x at 64, where head-major with the
-  present kernel takes 1.07-1.10x and 1.01-1.03x (B=16, n_kv=2, G=2, D=64, 8192 tokens, 2 cores;
-  docs/performance.md). The gather (`torch`) copies each head's blocks as runs of block_size * D
+  lane kernel took 1.07-1.10x and 1.01-1.03x (B=16, n_kv=2, G=2, D=64, 8192 tokens, 2 cores;
+  docs/performance.md). Head dims 64 and 128 now take the path the contiguous kernel takes
+  (strategies/cpu_attention_fixed.h, 8 segments of a sequence read in lockstep), which made both
+  kernels faster: in the model's step 1.09-1.14x the new contiguous step at block 16 and 1.02-1.03x at
+  64. The gather (`torch`) copies each head's blocks as runs of block_size * D
   floats, and SDPA then reads rows that are contiguous per head.
 - `flash_attn`: token-major, [n_blocks, block_size, n_kv, D]: flash_attn_with_kvcache's paged mode
   takes no other.
