@@ -82,6 +82,9 @@ class RunConfig:
     rerun_other_code: bool = False  # re-run points whose row another code state made (its git_commit is not this checkout's)
     calibration_budget_s: float = 120.0  # wall-time budget of one calibration: repeats stop and the GEMM shrinks to fit it
     isolate: bool = True  # run each point in its own process, so its memory peak is its own
+    # CPU tensors of 2 MiB or more on 2 MiB pages (torch's THP_MEM_ALLOC_ENABLE, set in the point's own
+    # process before it allocates; needs isolate=true and transparent huge pages not `never`)
+    hugepages: bool = False
     memory_limit_bytes: Optional[float] = None  # treat the device as this large (bytes): a point that would not fit is a skipped row
     search: str = "none"  # none | max_batch: find the largest batch that runs within memory_limit_bytes by bisection (+sweep=capacity)
 

@@ -225,6 +225,9 @@ def validate_run(cfg, cuda_available) -> None:
         positive_float("memory_limit_bytes", cfg.memory_limit_bytes, at_least=1, at_most=INT64_MAX)
     if cfg.search != "none" and cfg.memory_limit_bytes is None:
         raise ConfigError("memory_limit_bytes", f"search={cfg.search} needs a limit to search within: set memory_limit_bytes=<bytes>")
+    if cfg.hugepages and not cfg.isolate:
+        raise ConfigError("hugepages", "needs isolate=true: torch reads THP_MEM_ALLOC_ENABLE at a process's first "
+                                       "allocation, which this process has long made")
     validate_timing(cfg.timing)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
     strategy = cfg.strategy

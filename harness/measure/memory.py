@@ -8,6 +8,7 @@ CUDA: the caching allocator's peaks, reset per point.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -66,6 +67,27 @@ class PeakTracker:
             "peak_memory_reserved_bytes": None,
             "process_baseline_bytes": self.baseline_bytes,
         }
+
+
+HUGEPAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: madvise(MADV_HUGEPAGE) on allocations >= 2 MiB
+
+
+def use_hugepages() -> None:
+    """Ask torch's CPU allocator for 2 MiB pages. It reads the variable once, at the process's first
+    allocation, so this must run before anything is allocated (a fresh point process)."""
+    os.environ[HUGEPAGES_ENV] = "1"
+
+
+def anon_hugepages_bytes() -> int | None:
+    """Bytes of this process's anonymous memory on transparent huge pages now (None: not Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def available_bytes(device: str) -> int:

@@ -15,7 +15,7 @@ from harness.measure.compiled import CompiledSteps
 from harness.measure.contention import CpuTimes, gpu_state, others_fraction_since
 from harness.measure.device import device_name
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
-from harness.measure.memory import PeakTracker, shortfall
+from harness.measure.memory import PeakTracker, anon_hugepages_bytes, shortfall, use_hugepages
 from harness.measure.timing import StepStats, StepTimer, warm_up
 from harness.model import build_model
 from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
@@ -70,6 +70,8 @@ def accuracy(point: Point, strategy, model) -> dict:
 
 
 def measure_point(point: Point) -> dict:
+    if point.hugepages:  # first: torch's allocator reads it at this process's first allocation
+        use_hugepages()
     # Inference mode: no step pays for autograd's version counters and view tracking (measured 15% of
     # the tiny model's step, which is all overhead).
     with torch.inference_mode():
@@ -134,6 +136,7 @@ def _measure_point(point: Point) -> dict:
     gpu = gpu_state(device.index or 0) if device.type == "cuda" else {}
     tokens = torch.stack(generated, dim=1)  # [B, decode_tokens + 1]
     memory = peak.read()  # before the accuracy pass below: the point's peak is the timed session's
+    hugepage_bytes = anon_hugepages_bytes()  # what the pages were, whatever was asked
     cache_bytes = session.kv_cache_bytes
     del session
     stats = StepStats.of(step_seconds)
@@ -161,6 +164,7 @@ def _measure_point(point: Point) -> dict:
         **gpu,
         "kv_cache_bytes": cache_bytes,
         **memory,
+        "anon_hugepages_bytes": hugepage_bytes,
         **accuracy(point, strategy, model),
         "tokens_digest": tokens_digest(tokens),
         "tokens": tokens.cpu().tolist(),  # for tests and callers; not stored in the row

@@ -104,4 +104,5 @@ def point_from_config(cfg) -> Point:
         threads=torch.get_num_threads(),
         compile=cfg.compile,
         memory_limit_bytes=int(cfg.memory_limit_bytes) if cfg.memory_limit_bytes is not None else None,
+        hugepages=cfg.hugepages,
     )

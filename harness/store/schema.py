@@ -62,6 +62,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("threads", I, "", "torch intra-op threads", "point"),
     ("compile", S, "", "none (eager decode steps) or inductor (decode steps through torch.compile)", "point"),
     ("memory_limit_bytes", I, "B", "memory the point was allowed (memory_limit_bytes=); null: the device's free memory", "point"),
+    ("hugepages", B, "", "CPU tensors of 2 MiB or more asked for on 2 MiB pages (hugepages=, torch's THP_MEM_ALLOC_ENABLE)", "point"),
     # outcome
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
@@ -93,6 +94,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("peak_memory_bytes", I, "B", "the point's own peak: CUDA max_memory_allocated; CPU resident set above the process baseline", "measured"),
     ("peak_memory_reserved_bytes", I, "B", "CUDA max_memory_reserved; null on CPU", "measured"),
     ("process_baseline_bytes", I, "B", "CPU: resident set of Python and torch before the point allocated", "measured"),
+    ("anon_hugepages_bytes", I, "B", "the point process's anonymous memory on transparent huge pages after its steps (Linux); null elsewhere", "measured"),
     # traffic
     ("bytes_per_step_measured", F, "B", "DRAM bytes read + written per step from a hardware counter; null where none exists", "measured"),
     ("traffic_source", S, "", "what filled bytes_per_step_measured: model (nothing measured) or ncu", "measured"),
