@@ -32,7 +32,9 @@ class ContiguousLayerCache:
         # serving engine's would be, and the memory peak shows it whatever the context.
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
         self.v = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
-        self.decode_kernel = decode_kernel  # cpu_kernel.decode_attention, or None for SDPA throughout
+        # decode_kernel(q [B, 1, H, D], k, v, end) -> [B, 1, H, D] for decode steps (cpu_kernel.attend_heads),
+        # or None for SDPA throughout
+        self.decode_kernel = decode_kernel
 
     @property
     def nbytes(self) -> int:
@@ -47,12 +49,8 @@ class ContiguousLayerCache:
 
     def attend(self, q, k, v, start_pos):
         end = self.write(k, v, start_pos)
-        batch, seq_len, n_heads, head_dim = q.shape
-        if seq_len == 1 and self.decode_kernel is not None:
-            n_kv = self.k.shape[1]
-            # Query head h = kv * G + g, as in grouped_attention: [B, 1, H, D] -> [B, n_kv, G, D].
-            grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)
-            return self.decode_kernel(grouped, self.k, self.v, end).view(batch, 1, n_heads, head_dim)
+        if q.shape[1] == 1 and self.decode_kernel is not None:
+            return self.decode_kernel(q, self.k, self.v, end)
         return grouped_attention(q, self.k[:, :, :end], self.v[:, :, :end], q_offset=start_pos)
 
 
@@ -88,7 +86,7 @@ class ContiguousStrategy(Strategy):
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
         use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
-        decode_kernel = cpu_kernel.decode_attention if use_c else None
+        decode_kernel = cpu_kernel.attend_heads if use_c else None
         caches = [
             ContiguousLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
                                  decode_kernel)

@@ -185,6 +185,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
     return masked_decode_attention(q, k, v, length, visible=length)
 
 
+def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                 visible: int | None = None) -> torch.Tensor:
+    """The kernel on a layer's own layout: q [B, 1, H, D] (query head h = kv * G + g, as in
+    strategies.attention.grouped_attention) -> [B, 1, H, D]; rows visible.. weighted 0 (None: none)."""
+    batch, _, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)  # [B, n_kv, G, D]
+    out = masked_decode_attention(grouped, k, v, length, visible=length if visible is None else visible)
+    return out.view(batch, 1, n_heads, head_dim)
+
+
 def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
                             visible: int) -> torch.Tensor:
     """`decode_attention` reading rows 0..length-1 of k and v, of which rows visible.. get weight 0.

@@ -39,7 +39,7 @@ class DynamicLayerCache:
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, device, dtype, decode_kernel=None):
         self.k = torch.empty(batch, n_kv_heads, 0, head_dim, device=device, dtype=dtype)  # [B, n_kv, L, D], L = 0
         self.v = torch.empty(batch, n_kv_heads, 0, head_dim, device=device, dtype=dtype)  # [B, n_kv, L, D]
-        self.decode_kernel = decode_kernel  # cpu_kernel.decode_attention, or None for SDPA throughout
+        self.decode_kernel = decode_kernel  # cpu_kernel.attend_heads, or None for SDPA throughout
 
     @property
     def nbytes(self) -> int:
@@ -69,12 +69,8 @@ class DynamicLayerCache:
         # The whole cache is copied into a new tensor, one position longer per decode step.
         self.k = torch.cat((self.k, k.transpose(1, 2)), dim=2)  # [B, n_kv, L + T, D]
         self.v = torch.cat((self.v, v.transpose(1, 2)), dim=2)
-        batch, seq_len, n_heads, head_dim = q.shape
-        if seq_len == 1 and self.decode_kernel is not None:
-            n_kv = self.k.shape[1]
-            # Query head h = kv * G + g, as in grouped_attention: [B, 1, H, D] -> [B, n_kv, G, D].
-            grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)
-            return self.decode_kernel(grouped, self.k, self.v, self.k.shape[2]).view(batch, 1, n_heads, head_dim)
+        if q.shape[1] == 1 and self.decode_kernel is not None:
+            return self.decode_kernel(q, self.k, self.v, self.k.shape[2])
         return grouped_attention(q, self.k, self.v, q_offset=start_pos)
 
 
@@ -103,7 +99,7 @@ class DynamicStrategy(ContiguousStrategy):
     def new_session(self, model, batch: int, max_len: int) -> DynamicSession:
         c = model.cfg
         use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
-        decode_kernel = cpu_kernel.decode_attention if use_c else None
+        decode_kernel = cpu_kernel.attend_heads if use_c else None
         caches = [DynamicLayerCache(batch, c.n_kv_heads, c.resolved_head_dim, model.device, model.dtype, decode_kernel)
                   for _ in range(c.n_layers)]
         return DynamicSession(model, caches, max_len)

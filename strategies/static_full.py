@@ -61,22 +61,24 @@ class FullLengthMask:
         return self.key_positions[None, :] <= query_pos[:, None]  # [G*T, max_len]
 
 
+def attend_whole_table(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int) -> torch.Tensor:
+    """The C kernel over every row of the table, those from `end` on (not yet written) weighted 0."""
+    return cpu_kernel.attend_heads(q, k, v, k.shape[2], visible=end)
+
+
 class StaticFullLayerCache(ContiguousLayerCache):
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype, mask: FullLengthMask,
-                 use_c_kernel: bool):
-        super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
+                 decode_kernel=None):
+        super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype, decode_kernel)
         self.full_length_mask = mask
-        self.use_c_kernel = use_c_kernel  # decode steps through cpu_kernel.masked_decode_attention
 
     def attend(self, q, k, v, start_pos):
         end = self.write(k, v, start_pos)
         batch, seq_len, n_heads, head_dim = q.shape
+        if seq_len == 1 and self.decode_kernel is not None:
+            return self.decode_kernel(q, self.k, self.v, end)
         n_kv = self.k.shape[1]
         group = n_heads // n_kv
-        if seq_len == 1 and self.use_c_kernel:
-            grouped = q.reshape(batch, n_kv, group, head_dim)  # [B, n_kv, G, D], head h = kv * G + g
-            out = cpu_kernel.masked_decode_attention(grouped, self.k, self.v, self.k.shape[2], visible=end)
-            return out.view(batch, 1, n_heads, head_dim)
         q_grouped = (
             q.view(batch, seq_len, n_kv, group, head_dim)
             .permute(0, 2, 3, 1, 4)
@@ -129,6 +131,6 @@ class StaticFullStrategy(Strategy):
         mask = FullLengthMask(max_len, model.device)
         use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
         caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
-                                       mask, use_c)
+                                       mask, attend_whole_table if use_c else None)
                   for _ in range(c.n_layers)]
         return CachedSession(model, caches, max_len)
