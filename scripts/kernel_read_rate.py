@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from harness.kernels import build
 from strategies import cpu_kernel
 from strategies.paged import paged_decode_attention
 
@@ -59,8 +60,8 @@ def other_build(source: str):
     """A call of the contiguous kernel built from `source` (the signature with or without `visible`)."""
     text = Path(source).read_text()
     library_path = Path(tempfile.mkdtemp()) / "kernel.so"
-    flags = [flag for flag in cpu_kernel.COMPILE_FLAGS if flag != "-c"]
-    include = ["-I", str(Path(cpu_kernel.__file__).parent)]  # the shared header, where the source includes it
+    flags = [flag for flag in build.COMPILE_FLAGS if flag != "-c"]
+    include = ["-I", str(Path(cpu_kernel.__file__).parent), "-I", str(build.INCLUDE_DIR)]  # the shared headers
     subprocess.run(["gcc", *flags, *include, "-shared", source, "-o", str(library_path), "-lm"], check=True)
     function = ctypes.CDLL(str(library_path)).decode_attention
     with_visible = "int64_t visible" in text

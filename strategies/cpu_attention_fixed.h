@@ -27,24 +27,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector.h" /* LANES, vec, load_vec, store_vec (harness/kernels/vector.h) */
+
 #define BLOCK 64         /* keys per online-softmax block: its scores (MAX_GROUP x BLOCK floats) stay in L1 */
 #define STREAMS 8        /* segments read in lockstep (a pure read: 1 stream 16-20 GB/s, 4 or more 25-28) */
 #define CHUNK_BYTES 512  /* bytes read from one segment before the next (4 KB chunks lost the gain) */
 #define MASKED (-FLT_MAX) /* a masked key's score: finite, as -ffast-math assumes no infinities */
 
-/* The vector: as wide as the machine's registers (AVX-512: 16 floats, AVX: 8, else 4). A 16-float
- * vector on an AVX2 machine, two registers each, spilled and ran at a third of the speed. */
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
-typedef float vec __attribute__((vector_size(4 * LANES), aligned(4), may_alias)); /* LANES floats */
-
-static inline vec load_vec(const float *p) { return *(const vec *)p; }
-static inline void store_vec(float *p, vec v) { *(vec *)p = v; }
 
 /* fold_h: half of each 2h-lane segment of x and of y, summed: segment s of the result holds x's
  * segment s folded to h lanes, then y's. log2(LANES) such steps reduce LANES vectors to one vector of

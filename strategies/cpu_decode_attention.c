@@ -1,6 +1,6 @@
 /* Decode attention over a contiguous fp32 KV cache on a CPU: one query position per sequence, GQA.
  *
- * Built and loaded by strategies/cpu_kernel.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
+ * Built and loaded by harness/kernels/build.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
  * without -ffast-math so loading it leaves the process's floating-point mode alone); used by
  * `contiguous` and `dynamic` for their decode steps on a CPU in fp32, and by `static_full` over its
  * whole table with a mask (strategy.backend=auto|c).

@@ -1,7 +1,7 @@
 /* Decode attention over a paged fp32 KV cache on a CPU: one query position per sequence, GQA, keys and
  * values read in place through each sequence's block table (no gather copy).
  *
- * Built and loaded by strategies/cpu_kernel.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp,
+ * Built and loaded by harness/kernels/build.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp,
  * linked without -ffast-math); used by `paged` for its decode steps on a CPU in fp32
  * (strategy.backend=auto|c).
  *

@@ -1,6 +1,6 @@
 /* Decode attention over a quantized KV cache on a CPU (int8, int4, fp8 e4m3), fp32 compute, GQA.
  *
- * Built and loaded by strategies/cpu_kernel.py's CKernel (same flags as cpu_decode_attention.c); used
+ * Built and loaded by harness/kernels/build.py (CKernel, same flags as cpu_decode_attention.c); used
  * by `quantized` (strategies/quantized.py) for its decode steps on a CPU in fp32.
  *
  * Why dequantize in the kernel: a quantized cache is worth having because a step reads 1 (int8, fp8)

@@ -52,15 +52,17 @@ from __future__ import annotations
 
 import ctypes
 import math
+from pathlib import Path
 
 import torch
 
 from harness.config import CacheLayout
+from harness.kernels.build import POINTER, SIZE, STRIDES, CKernel
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
 from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
-from strategies.cpu_kernel import MAX_DIM, MAX_GROUP, POINTER, SIZE, STRIDES, CKernel
+from strategies.cpu_kernel import MAX_DIM, MAX_GROUP
 from strategies.flash import backend_unavailable as flash_attn_unavailable
 
 BACKENDS = ("c", "torch", "flash_attn")
@@ -68,7 +70,7 @@ BLOCK_ORDER_SEED = 0x9A6ED  # seeds the free list's shuffle: fixed, so every run
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV needs page_block_size % 256 == 0
 FILL_CHUNK_ELEMENTS = 4 * PIECE_ELEMENTS  # fill_random's staging buffer: 64 MB of fp32 at most
 
-PAGED_KERNEL = CKernel("cpu_paged_attention.c", {
+PAGED_KERNEL = CKernel(Path(__file__).with_name("cpu_paged_attention.c"), {
     # q, k_pool, k_strides, v_pool, v_strides, block_table, table_stride, out, batch, n_kv, group, length,
     # block_size, dim, scale, threads
     "paged_decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, SIZE, POINTER, SIZE, SIZE,

@@ -35,21 +35,23 @@ Attention kernels (`strategy.backend`):
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
 from harness.config import CacheLayout, ModelConfig
+from harness.kernels.build import POINTER, SIZE, STRIDES, CKernel
 from harness.model.random_fill import uniform_like_normal_
 from strategies import quantization
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
 from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
-from strategies.cpu_kernel import MAX_DIM, MAX_GROUP, POINTER, SIZE, STRIDES, CKernel
+from strategies.cpu_kernel import MAX_DIM, MAX_GROUP
 from strategies.quantization import FORMATS, KEY_AXES, QuantSpec
 
 BACKENDS = ("torch", "c")
 FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2}  # the C kernel's FORMAT_* constants
-QUANTIZED_KERNEL = CKernel("cpu_quantized_attention.c", {
+QUANTIZED_KERNEL = CKernel(Path(__file__).with_name("cpu_quantized_attention.c"), {
     # q, k_payload, k_strides, k_scales, k_scale_strides, v_payload, v_strides, v_scales, v_scale_strides,
     # k_window, v_window, window_strides, out, batch, n_kv, group, quantized_length, window_length, dim,
     # format, span, key_block, scale, threads

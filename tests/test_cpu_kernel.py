@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.kernels import build
 from strategies import StrategyUnavailable, cpu_kernel
 from tests.conftest import STRATEGIES
 from strategies.contiguous import C_KERNEL
@@ -71,7 +72,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
 
 def test_one_openmp_runtime_serves_torch_and_the_kernel():
     assert cpu_kernel.unavailable(CPU, torch.float32) is None
-    assert len(cpu_kernel._openmp_runtimes()) == 1
+    assert len(build._openmp_runtimes()) == 1
 
 
 def test_large_scores_do_not_overflow():
@@ -86,15 +87,31 @@ def test_large_scores_do_not_overflow():
 
 
 def test_a_built_kernel_is_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     first = cpu_kernel.CONTIGUOUS_KERNEL.build("gcc")
     built_at = first.stat().st_mtime_ns
     assert cpu_kernel.CONTIGUOUS_KERNEL.build("gcc") == first and first.stat().st_mtime_ns == built_at
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
+def test_every_included_header_is_part_of_the_build_key(monkeypatch, tmp_path):
+    """A header included through another (vector.h through cpu_attention_fixed.h) keys the build too:
+    editing it builds the kernel again instead of loading a binary of the old code."""
+    kernel = build.CKernel(tmp_path / "probe.c", {})
+    (tmp_path / "probe.c").write_text('#include "local.h"\nvec twice(vec x) { return x + x; }\n')
+    (tmp_path / "local.h").write_text('#include "vector.h"\n')
+    assert kernel.headers() == [tmp_path / "local.h", build.INCLUDE_DIR / "vector.h"]
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    first = kernel.build("gcc")
+    edited = tmp_path / "edited"  # the shared header with one more line: another build
+    edited.mkdir()
+    (edited / "vector.h").write_text((build.INCLUDE_DIR / "vector.h").read_text() + "\n")
+    monkeypatch.setattr(build, "INCLUDE_DIR", edited)
+    assert kernel.build("gcc") != first
+
+
 def test_a_failed_build_names_the_compiler_and_leaves_nothing(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="false could not build cpu_decode_attention.c"):
         cpu_kernel.CONTIGUOUS_KERNEL.build("false")
     assert list(tmp_path.iterdir()) == []
