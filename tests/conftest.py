@@ -11,6 +11,7 @@ import torch
 
 from harness.config import ModelConfig
 from harness.model import build_model
+from harness.model.cpu_linear import resolve_matmul
 from harness.run.catalog import strategy_catalog
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +35,11 @@ def generate(strategy, model, prompt: torch.Tensor, new_tokens: int) -> torch.Te
     return torch.stack(tokens, dim=1)
 
 
-def cpu_model(shape: ModelConfig, dtype=torch.float32, seed: int = 0):
-    return build_model(shape, torch.device("cpu"), dtype, seed)
+def cpu_model(shape: ModelConfig, dtype=torch.float32, seed: int = 0, matmul: str = "auto"):
+    """The model a CPU point builds: its linears through the kernel `matmul` resolves to (auto: the
+    harness's default here, the C small-batch linear in fp32 where it builds)."""
+    kernel = resolve_matmul(matmul, "cpu", str(dtype).removeprefix("torch."), batch=2)
+    return build_model(shape, torch.device("cpu"), dtype, seed, matmul=kernel, batch_hint=2)
 
 
 def planned_point(*overrides: str):

@@ -117,17 +117,22 @@ def test_torch_flash_cache_bookkeeping_is_exact():
     assert torch.equal(torch.stack(tokens, 1), generate(STRATEGIES["no_cache"](), model, prompt, 16))
 
 
+@pytest.mark.parametrize("matmul", ["aten", "onednn", "c"])
 @pytest.mark.parametrize("shape", [TINY, GQA4], ids=["tiny", "gqa4"])
-def test_onednn_packed_linears_keep_every_strategy_exact(shape):
-    """matmul=onednn (the CPU default) repacks the weights; caching must still be exact under it."""
+def test_every_linear_kernel_keeps_caching_exact(shape, matmul):
+    """Each CPU linear kernel (oneDNN repacks the weights, c runs decode steps through its own GEMV and
+    prefill through aten) leaves caching exact; and another kernel over the same weights gives the
+    same tokens to rounding."""
+    from harness.model import cpu_gemv
     from harness.model.cpu_linear import onednn_supports
-    from harness.model import build_model
 
-    if not onednn_supports("float32"):
+    if matmul == "onednn" and not onednn_supports("float32"):
         pytest.skip("oneDNN cannot pack fp32 linears on this machine")
-    model = build_model(shape, CPU, torch.float32, seed=0, matmul="onednn", batch_hint=2)
+    if matmul == "c" and (reason := cpu_gemv.unavailable()):
+        pytest.skip(f"the C linear cannot run here: {reason}")
+    model = cpu_model(shape, matmul=matmul)
     prompt = torch.randint(shape.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
     expected = generate(STRATEGIES["no_cache"](), model, prompt, 20)
     assert torch.equal(generate(STRATEGIES["contiguous"](), model, prompt, 20), expected)
-    aten = generate(STRATEGIES["no_cache"](), cpu_model(shape), prompt, 20)
+    aten = generate(STRATEGIES["no_cache"](), cpu_model(shape, matmul="aten"), prompt, 20)
     assert (aten == expected).float().mean() > 0.9  # same weights, another kernel: same tokens (to rounding)

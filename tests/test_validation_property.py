@@ -51,7 +51,7 @@ VALUES = {  # key -> values to draw, good and bad
     "timing.warmup_max": [1, 3, 0, 10001],
     "timing.settle_tolerance": [0.05, 0, "nan", 1e308],
     "timing.cuda_graphs": ["false", "true"],
-    "matmul": ["auto", "aten", "onednn", "mkl"],
+    "matmul": ["auto", "aten", "onednn", "c", "mkl"],
     "traffic": ["auto", "model", "ncu"],
     "results_dir": [FOLDER, "''", FILE, UNDER_FILE],
     "calibration_budget_s": [60, 0, "nan", 1e9],

@@ -51,7 +51,7 @@ class Point:
     seed: int  # seeds weights and prompt
     prefill: str  # compute | random
     traffic: str  # model | ncu (resolved from auto)
-    matmul: str  # aten | onednn (resolved from auto): the linear layers' kernel
+    matmul: str  # aten | onednn | c (resolved from auto): the linear layers' kernel
     threads: int  # torch intra-op threads the point runs with
     compile: str = "none"  # none | inductor: decode steps eager or through torch.compile
     # Bytes the point may use, when smaller than the device's free memory (None: the device's). It

@@ -72,7 +72,7 @@ class RunConfig:
     dtype: str = "auto"  # auto|float32|bfloat16|float16; auto is bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # seeds weights and prompt tokens
     prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
-    matmul: str = "auto"  # auto|aten|onednn: CPU linear kernel; auto is oneDNN-packed where supported
+    matmul: str = "auto"  # auto|aten|onednn|c: linear kernel; auto on a CPU: c in fp32 at batch <= 16, else oneDNN-packed where supported
     compile: str = "none"  # none|inductor: decode steps through torch.compile (CUDA: reduce-overhead; CPU: C++ codegen)
     traffic: str = "auto"  # auto|model|ncu: where bytes_per_step_measured comes from
     calibrate: bool = False  # re-measure the device's roofs even if a calibration record exists

@@ -2,9 +2,10 @@
 
 Bandwidth: the best of the read-dominated kernels over data several times the last-level cache (L3
 is 32-105 MiB on the CPUs here, L2 at most 60 MB on H100/H200): a full reduction (a pure stream), a
-matrix-vector product (what a decode step's weight reads are), and on a CPU where oneDNN can pack the
-dtype, the same product through oneDNN's packed linear (the kernel the harness's CPU decode uses,
-which reads faster than aten's: a roof below the kernel in use would give fractions above 1). Matmul: a square GEMM in the dtype.
+matrix-vector product (what a decode step's weight reads are), and on a CPU the same product through
+the harness's own linear kernels where they run: oneDNN's packed linear, and in fp32 the C small-batch
+linear (harness.model.cpu_gemv), which reads in interleaved streams faster than aten's sgemv. A roof
+below a kernel in use would give fractions above 1. Matmul: a square GEMM in the dtype.
 Each kernel runs once to warm up, then up to `REPEATS` times within its share of the calibration's
 wall-time budget (the GEMM shrinks to fit its share); the best time stands, because on a shared
 machine noise only ever makes a kernel slower than the hardware allows. The share of the CPUs other
@@ -23,7 +24,7 @@ from harness.store.calibration import Calibration
 REPEATS = 10
 READ_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}  # data streamed per read kernel
 MATMUL_N = {"cpu": 2048, "cuda": 8192}  # square GEMM size, halved to fit the budget where needed
-KERNELS = 4  # the budget is shared by: sum, matrix-vector, packed matrix-vector, GEMM
+KERNELS = 5  # the budget is shared by: sum, matrix-vector, packed and C matrix-vector, GEMM
 PROBE_N = 256  # the GEMM first timed at this size, to choose the largest size that fits its share
 
 
@@ -34,6 +35,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
 
     from harness.measure.device import device_name
     from harness.measure.timing import StepTimer
+    from harness.model import cpu_gemv
     from harness.model.cpu_linear import onednn_supports
 
     device_type, dtype_name, budget_s = request
@@ -56,7 +58,8 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
     read_bytes = READ_BYTES[device_type]
     sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
     with_packed = device_type == "cpu" and onednn_supports(dtype_name)
-    gemv_bw, packed_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed)
+    with_c = device_type == "cpu" and dtype_name == "float32" and cpu_gemv.unavailable() is None
+    gemv_bw, packed_bw, c_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed, with_c)
     read_repeats = list(repeats)
 
     full_n = MATMUL_N[device_type]
@@ -70,18 +73,19 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
         device_name=device_name(device),
         hostname=socket.gethostname(),
         dtype=dtype_name,
-        read_bandwidth_Bps=max(sum_bw, gemv_bw, packed_bw or 0.0),
+        read_bandwidth_Bps=max(sum_bw, gemv_bw, packed_bw or 0.0, c_bw or 0.0),
         read_bandwidth_sum_Bps=sum_bw,
         read_bandwidth_gemv_Bps=gemv_bw,
         read_bandwidth_packed_gemv_Bps=packed_bw,
         matmul_flops=flops,
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         contention=contention,
+        read_bandwidth_c_gemv_Bps=c_bw,
         method=(
             f"best of up to {REPEATS} after a warm-up, each kernel stopping after {share:.3g} s of a "
             f"{budget_s:.3g} s budget (timed runs: read kernels {'/'.join(map(str, read_repeats))}, GEMM "
             f"{repeats[-1]}); bandwidth: max(sum over {read_bytes >> 20} MiB, mv over a {read_bytes >> 21} MiB "
-            f"matrix, the same through oneDNN's packed linear where supported); matmul: {n}x{n}x{n} GEMM"
+            f"matrix, the same through oneDNN's packed linear and the C linear where they run); matmul: {n}x{n}x{n} GEMM"
             f"{shrunk}, {dtype_name}"
         ),
     )
@@ -110,18 +114,22 @@ def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
     return stream.nbytes / best_seconds(lambda: stream.sum())
 
 
-def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool) -> tuple[float, float | None]:
-    """Bytes/s of a matrix-vector product over an `nbytes` matrix: aten's, and oneDNN's packed one
-    (None unless `with_packed`). The matrices are freed on return."""
+def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool,
+                with_c: bool) -> tuple[float, float | None, float | None]:
+    """Bytes/s of a matrix-vector product over an `nbytes` matrix: aten's, oneDNN's packed one (None
+    unless `with_packed`) and the C linear's (None unless `with_c`). The matrices are freed on return."""
     import torch
+
+    from harness.model.cpu_gemv import gemv
 
     rows = 8192
     cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
     matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
     vector = torch.ones(cols, device=device, dtype=dtype)  # [C]
     aten = matrix.nbytes / best_seconds(lambda: torch.mv(matrix, vector))
-    if not with_packed:
-        return aten, None
-    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
     row = vector[None, :]  # [1, C]
-    return aten, matrix.nbytes / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""))
+    c = matrix.nbytes / best_seconds(lambda: gemv(row, matrix)) if with_c else None
+    if not with_packed:
+        return aten, None, c
+    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
+    return aten, matrix.nbytes / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")), c

@@ -8,8 +8,10 @@ moved 26 GB/s at batch 1, 21 GB/s at batch 4 and ran at 115 GFLOP/s at batch 32.
 once per point, before timing; the math is the same matmul, so outputs agree to rounding and every
 strategy's tokens still equal the reference's (tests/test_exactness.py).
 
-`matmul=auto` uses it on a CPU wherever oneDNN supports the dtype (here fp32; its bf16 path needs
-AVX-512 or AVX-NE-CONVERT), and rows record which kernel ran in `matmul_kernel`.
+On the 2-core Xeon VM that measured the C small-batch linear (harness.model.cpu_gemv), oneDNN read
+the same small matrices at 13-15 GB/s, so `matmul=auto` picks the C kernel on a CPU in fp32 where it
+builds, oneDNN where that supports the dtype (its bf16 path needs AVX-512 or AVX-NE-CONVERT), aten
+otherwise; rows record which kernel ran in `matmul_kernel`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import functools
 import torch
 from torch import nn
 
-KERNELS = {"aten": "aten.linear", "onednn": "onednn.linear(packed weight)"}
+from harness.model import cpu_gemv
+
+KERNELS = {"aten": "aten.linear", "onednn": "onednn.linear(packed weight)", "c": cpu_gemv.KERNEL_NAME}
 
 
 @functools.cache
@@ -35,10 +39,13 @@ def onednn_supports(dtype_name: str) -> bool:
     return True
 
 
-def resolve_matmul(matmul: str, device: str, dtype: str) -> str:
-    """`auto`: oneDNN-packed on a CPU when it supports the dtype, aten otherwise."""
+def resolve_matmul(matmul: str, device: str, dtype: str, batch: int) -> str:
+    """`auto`: on a CPU the C kernel in fp32 where it builds and a decode step's `batch` rows are few
+    enough for it (MAX_ROWS), else oneDNN-packed where it supports the dtype; aten otherwise."""
     if matmul != "auto":
         return matmul
+    if device == "cpu" and dtype == "float32" and batch <= cpu_gemv.MAX_ROWS and cpu_gemv.unavailable() is None:
+        return "c"
     return "onednn" if device == "cpu" and onednn_supports(dtype) else "aten"
 
 

@@ -165,7 +165,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
     """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
 
     matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
-    `batch_hint` rows; the weights' values are unchanged.
+    `batch_hint` rows; matmul="c" runs them through the C small-batch kernel (harness.model.cpu_gemv).
+    The weights' values are unchanged.
     """
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # on meta: costs nothing
@@ -176,4 +177,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
         from harness.model.cpu_linear import pack_linears
 
         pack_linears(model, batch_hint)
+    elif matmul == "c":
+        from harness.model.cpu_gemv import use_gemv
+
+        use_gemv(model)
     return model

@@ -38,12 +38,17 @@ def resolve_traffic(traffic: str, device: str) -> str:
     return "ncu" if device == "cuda" and ncu_executable() else "model"
 
 
-def resolve_matmul(matmul: str, device: str, dtype: str) -> str:
+def resolve_matmul(matmul: str, device: str, dtype: str, batch: int) -> str:
+    from harness.model import cpu_gemv
     from harness.model.cpu_linear import onednn_supports, resolve_matmul as resolved
 
     if matmul == "onednn" and (device != "cpu" or not onednn_supports(dtype)):
         raise ConfigError("matmul", f"onednn packing is not supported for {dtype} on {device} here; allowed: auto, aten")
-    return resolved(matmul, device, dtype)
+    if matmul == "c" and (device != "cpu" or dtype != "float32"):
+        raise ConfigError("matmul", f"c is a CPU float32 kernel; this point is {dtype} on {device}; allowed: auto, aten")
+    if matmul == "c" and (reason := cpu_gemv.unavailable()):
+        raise ConfigError("matmul", f"c cannot run here ({reason}); allowed: auto, aten")
+    return resolved(matmul, device, dtype, batch)
 
 
 def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,
@@ -100,7 +105,7 @@ def point_from_config(cfg) -> Point:
         seed=cfg.seed,
         prefill=cfg.prefill,
         traffic=resolve_traffic(cfg.traffic, device),
-        matmul=resolve_matmul(cfg.matmul, device, dtype),
+        matmul=resolve_matmul(cfg.matmul, device, dtype, cfg.batch),
         threads=torch.get_num_threads(),
         compile=cfg.compile,
         memory_limit_bytes=int(cfg.memory_limit_bytes) if cfg.memory_limit_bytes is not None else None,

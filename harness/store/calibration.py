@@ -36,6 +36,9 @@ class Calibration:
     # Share of the CPUs other processes took while the kernels ran (harness.measure.contention); a
     # record measured on a busy machine has roofs that are too low. None: a record from before it was kept.
     contention: Optional[float] = None
+    # The matrix-vector product through the C small-batch linear (harness.model.cpu_gemv), the kernel
+    # matmul=auto runs on a CPU in fp32; None where it cannot run, or a record from before it was measured.
+    read_bandwidth_c_gemv_Bps: Optional[float] = None
 
 
 def host_slug(hostname: str | None = None) -> str:

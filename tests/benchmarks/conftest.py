@@ -51,9 +51,10 @@ POINTS = {
 PREFILL = (LIGHT_MODEL, 1, 256)  # shape, batch, prompt tokens of the prefill benchmark
 
 
-# The linear layers' kernel a harness run uses here by default (matmul=auto: oneDNN-packed weights on
-# CPUs that support it, aten otherwise): the suite times the path users run.
-MATMUL = resolve_matmul("auto", "cpu", str(DTYPE).removeprefix("torch."))
+# The linear layers' kernel a harness run uses here by default at the suite's largest batch (matmul=auto:
+# the C small-batch linear in fp32 where it builds, else oneDNN-packed weights where supported, else
+# aten): the suite times the path users run.
+MATMUL = resolve_matmul("auto", "cpu", str(DTYPE).removeprefix("torch."), max(p.batch for p in POINTS.values()))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,104 @@
+/* The small-batch linear of a decode step on a CPU in fp32: out[r, n] = sum_k x[r, k] w[n, k] for a
+ * few rows r (the batch) against a whole weight matrix w [N, K], row-major, as nn.Linear stores it.
+ *
+ * Built and loaded by harness/kernels/build.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp);
+ * called by harness/model/cpu_gemv.py. Why it is shaped this way (measured on a 2-core Xeon VM, the
+ * 33 linears of a cpu_small step in a row, docs/performance.md):
+ * - A decode step's linears are a weight read: each weight float meets only `rows` inputs. MKL's sgemv
+ *   (aten) and oneDNN's packed kernel read the 1-6 MB matrices of a small model at 13-15 GB/s, far
+ *   below what the same cores read in parallel streams. One core reading one stream reached 16-20 GB/s
+ *   here and 4 or more streams interleaved 25-28 GB/s. So a thread's rows are split into STREAMS equal
+ *   segments and it walks them in lockstep: one vector of row i of every segment in turn, each row a
+ *   stream of its own.
+ * - Each weight vector is loaded once per tile of up to TILE input rows and multiplied into a register
+ *   accumulator per (stream, input row): STREAMS x TILE = 32 vectors, the register file of AVX-512.
+ *   More input rows are further tiles over the same weight rows, which are then in L1 or L2.
+ * - Each output is one thread's sum in a fixed order, so the result does not depend on the thread count.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#include "vector.h" /* LANES, vec, load_vec (harness/kernels/vector.h) */
+
+#define STREAMS 8 /* weight rows read in lockstep per thread (8 and 12 measured alike, 4 slower, 1 much slower) */
+#define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators fit in registers */
+
+
+static inline float sum_lanes(vec v) {
+    float sum = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) sum += v[lane];
+    return sum;
+}
+
+/* out[r, row[s]] for weight rows row[0..n_rows-1] and input rows r < n_inputs (<= TILE); n_rows and
+ * n_inputs are constants where it is inlined, so the accumulators are registers. */
+static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *w, float *out, int64_t k_len,
+                                                          int64_t n_len, const int64_t *row, const int n_rows,
+                                                          const int n_inputs) {
+    vec acc[STREAMS][TILE];
+    for (int s = 0; s < n_rows; s++)
+        for (int r = 0; r < n_inputs; r++) acc[s][r] = (vec){0};
+    const int64_t k_vec = k_len / LANES * LANES;
+    for (int64_t k = 0; k < k_vec; k += LANES) {
+        vec inputs[TILE];
+        for (int r = 0; r < n_inputs; r++) inputs[r] = load_vec(x + r * k_len + k);
+        for (int s = 0; s < n_rows; s++) {
+            vec weights = load_vec(w + row[s] * k_len + k);
+            for (int r = 0; r < n_inputs; r++) acc[s][r] += weights * inputs[r];
+        }
+    }
+    for (int s = 0; s < n_rows; s++) {
+        for (int r = 0; r < n_inputs; r++) {
+            float sum = sum_lanes(acc[s][r]);
+            for (int64_t k = k_vec; k < k_len; k++) sum += x[r * k_len + k] * w[row[s] * k_len + k];
+            out[r * n_len + row[s]] = sum;
+        }
+    }
+}
+
+#define DOT_ROWS(n_rows, n_inputs) dot_rows(x_tile, w, out_tile, k_len, n_len, row, n_rows, n_inputs)
+
+/* Every input row against weight rows row[0..n_rows-1] (n_rows is STREAMS or 1), a tile at a time. */
+static void dot_all_inputs(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len,
+                           int64_t n_len, const int64_t *row, int n_rows) {
+    for (int64_t first = 0; first < n_inputs; first += TILE) {
+        const float *x_tile = x + first * k_len;
+        float *out_tile = out + first * n_len;
+        int64_t tile = n_inputs - first < TILE ? n_inputs - first : TILE;
+        if (n_rows == STREAMS) {
+            switch (tile) {
+            case 1: DOT_ROWS(STREAMS, 1); break;
+            case 2: DOT_ROWS(STREAMS, 2); break;
+            case 3: DOT_ROWS(STREAMS, 3); break;
+            default: DOT_ROWS(STREAMS, TILE); break;
+            }
+        } else {
+            switch (tile) {
+            case 1: DOT_ROWS(1, 1); break;
+            case 2: DOT_ROWS(1, 2); break;
+            case 3: DOT_ROWS(1, 3); break;
+            default: DOT_ROWS(1, TILE); break;
+            }
+        }
+    }
+}
+
+/* x [n_inputs, k_len], w [n_len, k_len], out [n_inputs, n_len], all contiguous. Each thread takes an
+ * equal range of weight rows; the rows a range leaves after its STREAMS equal segments go one by one. */
+void gemv(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len, int64_t n_len, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const int thread = omp_get_thread_num(), n_threads = omp_get_num_threads();
+        const int64_t first = n_len * thread / n_threads, end = n_len * (thread + 1) / n_threads;
+        const int64_t segment = (end - first) / STREAMS;
+        int64_t row[STREAMS];
+        for (int64_t i = 0; i < segment; i++) {
+            for (int s = 0; s < STREAMS; s++) row[s] = first + s * segment + i;
+            dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, STREAMS);
+        }
+        for (int64_t r = first + segment * STREAMS; r < end; r++) {
+            row[0] = r;
+            dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, 1);
+        }
+    }
+}
