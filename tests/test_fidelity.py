@@ -16,7 +16,8 @@ from tests.conftest import TINY, planned_point, run_cli
 @pytest.fixture(scope="module")
 def calibrated_run(tmp_path_factory):
     results = tmp_path_factory.mktemp("calibration") / "results"
-    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", f"results_dir={results}")
+    # A short calibration budget: the kernels stop early and the GEMM shrinks, and the record is as whole.
+    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", "calibration_budget_s=4", f"results_dir={results}")
     assert first.returncode == 0, first.stderr
     return results, first
 
@@ -35,7 +36,8 @@ def test_calibration_is_reused_until_forced(calibrated_run):
     again = run_cli("device=cpu", "model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
     assert again.returncode == 0 and "calibrated" not in again.stderr + again.stdout
     assert path.read_text() == before
-    forced = run_cli("device=cpu", "model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", f"results_dir={results}")
+    forced = run_cli("device=cpu", "model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", "calibration_budget_s=4",
+                     f"results_dir={results}")
     assert forced.returncode == 0 and "calibrated cpu/float32" in forced.stderr + forced.stdout
     assert path.read_text() != before
 
