@@ -11,24 +11,22 @@
  *   segments and it walks them in lockstep: one vector of row i of every segment in turn, each row a
  *   stream of its own.
  * - Each weight vector is loaded once per tile of up to TILE input rows and multiplied into a register
- *   accumulator per (stream, input row): STREAMS x TILE = 32 vectors, the register file of AVX-512.
- *   More input rows are further tiles over the same weight rows, which are then in L1 or L2.
+ *   accumulator per (stream, input row): 6 x 4 = 24 vectors, which with the 4 inputs and the weight fit
+ *   AVX-512's 32 registers. 8 x 4 spilled and ran 5-20% slower at 8-16 rows; 6 x 4 was also within 5%
+ *   of the best of six splits in an AVX2 build (16 registers). More input rows are further tiles over
+ *   the same weight rows, which are then in L1 or L2.
+ * - The STREAMS x TILE horizontal sums go LANES at a time through vector.h's transpose tree (2-5%
+ *   faster than a scalar chain per output at 1-4 rows).
  * - Each output is one thread's sum in a fixed order, so the result does not depend on the thread count.
  */
 #include <omp.h>
 #include <stdint.h>
 
-#include "vector.h" /* LANES, vec, load_vec (harness/kernels/vector.h) */
+#include "vector.h" /* LANES, vec, load_vec, sum_lanes (harness/kernels/vector.h) */
 
-#define STREAMS 8 /* weight rows read in lockstep per thread (8 and 12 measured alike, 4 slower, 1 much slower) */
-#define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators fit in registers */
+#define STREAMS 6 /* weight rows read in lockstep per thread (1 stream: 1.4x the time at 1 row) */
+#define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators in registers */
 
-
-static inline float sum_lanes(vec v) {
-    float sum = 0.0f;
-    for (int lane = 0; lane < LANES; lane++) sum += v[lane];
-    return sum;
-}
 
 /* out[r, row[s]] for weight rows row[0..n_rows-1] and input rows r < n_inputs (<= TILE); n_rows and
  * n_inputs are constants where it is inlined, so the accumulators are registers. */
@@ -47,9 +45,17 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, const
             for (int r = 0; r < n_inputs; r++) acc[s][r] += weights * inputs[r];
         }
     }
-    for (int s = 0; s < n_rows; s++) {
-        for (int r = 0; r < n_inputs; r++) {
-            float sum = sum_lanes(acc[s][r]);
+    /* The n_rows x n_inputs horizontal sums, LANES at a time through the transpose tree: a chain of
+     * LANES scalar adds per output cost more than the dot product itself at in_features 256-512. */
+    const int count = n_rows * n_inputs;
+    for (int first = 0; first < count; first += LANES) {
+        vec part[LANES];
+        for (int j = 0; j < LANES; j++)
+            part[j] = first + j < count ? acc[(first + j) / n_inputs][(first + j) % n_inputs] : (vec){0};
+        const vec sums = sum_lanes(part);
+        for (int j = 0; j < LANES && first + j < count; j++) {
+            const int s = (first + j) / n_inputs, r = (first + j) % n_inputs;
+            float sum = sums[j];
             for (int64_t k = k_vec; k < k_len; k++) sum += x[r * k_len + k] * w[row[s] * k_len + k];
             out[r * n_len + row[s]] = sum;
         }
