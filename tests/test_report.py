@@ -162,3 +162,12 @@ def test_every_row_sets_its_measured_peak_beside_the_memory_models(report):
     assert ((ok.ratio_peak_memory_bytes - ok.peak_memory_bytes / ok.peak_memory_predicted_bytes).abs() < 1e-12).all()
     header = next(line for line in files.markdown.read_text().splitlines() if line.startswith("| strategy | model |"))
     assert "| peak memory | peak predicted | ratio |" in header
+
+
+def test_the_first_table_names_the_linear_kernel_of_each_point(report):
+    """Two runs of one point with different linear kernels (matmul) are two lines: each says which."""
+    _, files = report
+    summary = files.markdown.read_text().split("## This machine, point by point")[1].split("\n## ")[0]
+    lines = [line for line in summary.splitlines() if line.startswith("| ")]
+    assert "| linears |" in lines[0]
+    assert all(line.split("|")[4].strip() == "aten" for line in lines[2:])  # report_fixtures: matmul=aten

@@ -116,7 +116,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     groups = groups_of(table)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
     blocks += [Heading("This machine, point by point"), Paragraph(
-        "One line per measured point: the fastest strategy there and its step, the roof that binds it and "
+        "One line per measured point (and linear kernel, `matmul`): the fastest strategy there and its step, the roof that binds it and "
         "the share of that roof reached; what the plain cache saved against recomputing everything, in time "
         "and in FLOPs (the FLOP saving is always far larger: a cached step waits on bytes); and the peak "
         "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups)]

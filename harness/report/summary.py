@@ -1,6 +1,6 @@
 """The report's first screen: one line per measured point of this machine, what it answers at a glance.
 
-Per model x device x dtype x batch x ctx: the fastest strategy there, what the plain cache saved
+Per model x device x dtype x linear kernel x batch x ctx: the fastest strategy there, what the plain cache saved
 against the recompute reference in time and in FLOPs (the gap between the two is the report's main
 story), the roof that binds the fastest step and the share of it reached, tokens per second, and the
 peak memory of the plain cache's run split into weights, cache and the rest (activations, the
@@ -16,7 +16,7 @@ from harness.report import format as fmt
 from harness.report.document import Table
 from harness.report.groups import Group, reference_rows
 
-HEADER = ["model", "device", "dtype", "batch", "ctx", "fastest", "step", "tokens/s", "bound", "of its roof",
+HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "fastest", "step", "tokens/s", "bound", "of its roof",
           "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
 
 
@@ -50,7 +50,8 @@ def summary_rows(group: Group) -> list[list[str]]:
         split = memory_split(cached if cached is not None else fastest)
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
         fraction = fastest.get("roofline_fraction")
-        body.append([group.model, group.device, group.dtype, fmt.count(batch), fmt.count(ctx), str(fastest[SERIES]),
+        linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
+        body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), str(fastest[SERIES]),
                      fmt.seconds(fastest["decode_step_s"]), fmt.number(fastest["tokens_per_s"]),
                      str(fastest.get("roof_bound") or "–"), "–" if fmt.missing(fraction) else f"{fraction:.0%}",
                      time_saved, flops_saved, *memory])
@@ -59,4 +60,4 @@ def summary_rows(group: Group) -> list[list[str]]:
 
 def summary_table(groups: list[Group]) -> Table:
     body = [line for group in groups for line in summary_rows(group)]
-    return Table(HEADER, body, [False, False, False, True, True, False] + [True] * 10)
+    return Table(HEADER, body, [False, False, False, False, True, True, False] + [True] * 10)
