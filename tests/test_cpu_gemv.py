@@ -53,12 +53,27 @@ def test_small_calls_run_the_kernel_and_large_ones_aten(monkeypatch):
     assert calls == [torch.Size([cpu_gemv.MAX_ROWS, 64])]
 
 
-def test_matmul_c_builds_gemv_linears_over_the_same_weights():
+def test_matmul_c_builds_gemv_linears_and_norms_over_the_same_weights():
+    from harness.model.decoder import RMSNorm
+
     model = cpu_model(TINY, matmul="c")
     linears = [m for m in model.modules() if isinstance(m, cpu_gemv.GemvLinear)]
-    assert linears and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert sum(m.weight.numel() for m in linears) == sum(
-        p.numel() for name, p in model.named_parameters() if not name.endswith("norm.weight") and "tok_" not in name)
+    norms = [m for m in model.modules() if isinstance(m, cpu_gemv.GemvRMSNorm)]
+    assert linears and not any(isinstance(m, (torch.nn.Linear, RMSNorm)) for m in model.modules())
+    assert len(norms) == 2 * TINY.n_layers + 1
+    assert sum(m.weight.numel() for m in linears + norms) == sum(
+        p.numel() for name, p in model.named_parameters() if "tok_" not in name)
+
+
+@pytest.mark.parametrize("rows", [1, 3, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1])
+def test_the_norm_is_torchs_rms_norm(rows):
+    from harness.model.decoder import RMSNorm
+
+    reference = RMSNorm(96, 1e-5)
+    torch.nn.init.uniform_(reference.weight, 0.5, 1.5)
+    x = 3 * torch.randn(rows, 1, 96)  # [B, T, dim]
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_gemv.GemvRMSNorm(reference)(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_c_in_bf16_is_refused_in_one_line(tmp_path):
