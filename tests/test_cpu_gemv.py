@@ -80,3 +80,32 @@ def test_matmul_c_in_bf16_is_refused_in_one_line(tmp_path):
     done = run_cli("model=tiny", "matmul=c", "dtype=bfloat16", "device=cpu", f"results_dir={tmp_path}")
     assert done.returncode == 2 and "matmul" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not list(tmp_path.rglob("*.parquet"))
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 5), (4, 5)])  # the last: more than MAX_ROWS rows
+def test_the_rotation_is_the_models_rope(batch, tokens):
+    """Through a strided view as the model calls it (q and k of the fused qkv projection), at a position."""
+    from harness.model.decoder import RotaryTable
+
+    heads, kv, head_dim, start = 4, 2, 64, 7
+    qkv = torch.randn(batch, tokens, heads + 2 * kv, head_dim)  # [B, T, H + 2 kv, D]
+    view = qkv[:, :, : heads + kv]  # not contiguous
+    reference = RotaryTable(head_dim, 32, 10000.0, torch.device("cpu"), torch.float32)
+    tables = cpu_gemv.GemvRotaryTable(head_dim, 32, 10000.0, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(tables.rotate(view, start), reference.rotate(view, start), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, cpu_gemv.MAX_ROWS + 1])
+def test_the_activation_is_swiglus(rows):
+    from harness.model.decoder import SwiGLU
+
+    reference = SwiGLU(TINY)
+    fused = cpu_gemv.GemvSwiGLU(reference)
+    x = torch.randn(rows, 1, TINY.d_model)  # [B, T, d_model]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_c_rotates_with_the_c_tables():
+    assert isinstance(cpu_model(TINY, matmul="c").rotary_table(8), cpu_gemv.GemvRotaryTable)
+    assert type(cpu_model(TINY, matmul="aten").rotary_table(8)).__name__ == "RotaryTable"

@@ -126,3 +126,34 @@ void rms_norm_rows(const float *x, const float *weight, float eps, float *out, i
         for (int64_t k = 0; k < k_len; k++) out[r * k_len + k] = row[k] * scale * weight[k];
     }
 }
+
+/* RoPE for a decode step's few rows: out[b, t, h] = x[b, t, h] * cos[t] + swap_halves(x[b, t, h]) * sin[t]
+ * (harness.model.decoder.RotaryTable's rotate-half form, the pair's sign folded into sin), x read
+ * through its strides (a view of the fused qkv projection), out contiguous [B, T, heads, D]. cos and
+ * sin point at the rows of positions start_pos.. of their [max_len, D] tables. One call instead of the
+ * slice, flip, multiply and addcmul torch runs cold after a weight read. */
+void rope_rows(const float *x, int64_t batch_stride, int64_t token_stride, int64_t head_stride, const float *cos,
+               const float *sin, float *out, int64_t batch, int64_t tokens, int64_t heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < heads; h++) {
+                const float *row = x + b * batch_stride + t * token_stride + h * head_stride;
+                const float *c = cos + t * dim, *s = sin + t * dim;
+                float *o = out + ((b * tokens + t) * heads + h) * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) o[i] = row[i] * c[i] + row[i + half] * s[i];
+#pragma omp simd
+                for (int64_t i = half; i < dim; i++) o[i] = row[i] * c[i] + row[i - half] * s[i];
+            }
+}
+
+/* SwiGLU's activation: out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i], gate and up stacked in one
+ * [rows, 2 * ffn] output of the w13 projection; one call instead of chunk, silu and mul. */
+void silu_mul_rows(const float *gate_up, float *out, int64_t rows, int64_t ffn) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * ffn, *up = gate + ffn;
+#pragma omp simd
+        for (int64_t i = 0; i < ffn; i++) out[r * ffn + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}

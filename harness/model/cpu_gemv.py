@@ -1,5 +1,5 @@
 """The C small-batch linear (`cpu_gemv.c`): the CPU fp32 matmul of `matmul=c`, what `auto` picks there;
-and the RMSNorms before the linears through the same library.
+and the small operators between the linears (RMSNorm, RoPE, SwiGLU's activation) through the same library.
 
 A decode step's linears multiply a handful of rows (the batch) by whole weight matrices, so their
 time is the weight read. The C kernel reads each thread's weight rows as STREAMS interleaved streams
@@ -9,9 +9,11 @@ time is the weight read. The C kernel reads each thread's weight rows as STREAMS
 a call goes to aten's `F.linear`, whose blocked GEMM is built for them; rows name both
 (`matmul_kernel`). The weight stays the dense nn.Linear weight: no second copy.
 
-The RMSNorms go with it: through torch (`F.rms_norm`, a composite of seven operators on a CPU) a norm
-between two weight reads ran cold, each a few hundred microseconds, and one C call took 0.7-1.0 ms off
-a cpu_small step (docs/performance.md, "small operators that run cold").
+The small operators go with it: between two weight reads each torch operator ran cold, a few hundred
+microseconds where it takes a few warm (docs/performance.md, "small operators that run cold"). One C
+call per RMSNorm (`F.rms_norm` is a composite of seven operators on a CPU) took 0.7-1.0 ms off a
+cpu_small step; RoPE and SwiGLU's activation are one call each too. Calls of more rows, and compiled
+graphs (which inductor fuses itself), stay torch's.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.kernels.build import POINTER, SIZE, CKernel
+from harness.model.decoder import RMSNorm, RotaryTable, SwiGLU
 
 # Rows up to which the C kernel runs (measured at cpu_small: at 16 rows it matched oneDNN packed, 23.6
 # against 23.0 ms for the step's linears; at 8 it took 11.0 against 16.2 ms).
@@ -32,8 +35,12 @@ GEMV_KERNEL = CKernel(Path(__file__).with_name("cpu_gemv.c"), {
     "gemv": [POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, ctypes.c_int],
     # x, weight, eps, out, n_inputs, k_len
     "rms_norm_rows": [POINTER, POINTER, ctypes.c_float, POINTER, SIZE, SIZE],
+    # x, batch_stride, token_stride, head_stride, cos, sin, out, batch, tokens, heads, dim
+    "rope_rows": [POINTER, SIZE, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE],
+    # gate_up, out, rows, ffn
+    "silu_mul_rows": [POINTER, POINTER, SIZE, SIZE],
 })
-KERNEL_NAME = f"{GEMV_KERNEL.name} up to {MAX_ROWS} rows (linears, RMSNorm), aten above"  # how rows name it
+KERNEL_NAME = f"{GEMV_KERNEL.name} up to {MAX_ROWS} rows (linears, RMSNorm, RoPE, SwiGLU), aten above"  # rows name it
 
 
 def unavailable() -> str | None:
@@ -88,7 +95,7 @@ class GemvRMSNorm(nn.Module):
         self.weight = norm.weight  # [dim], the same tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., dim] -> [..., dim]
-        if x.numel() > MAX_ROWS * self.weight.numel() or torch.compiler.is_compiling():
+        if not few_rows(x, self.weight.numel()):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # inductor fuses it itself
         rows = x.contiguous()
         out = torch.empty_like(rows)
@@ -97,15 +104,56 @@ class GemvRMSNorm(nn.Module):
         return out
 
 
-def use_gemv(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by a GemvLinear and every RMSNorm by a GemvRMSNorm, over the
-    same weights; returns how many linears."""
-    from harness.model.decoder import RMSNorm
+def few_rows(x: torch.Tensor, width: int) -> bool:
+    """Whether x [..., width] is a call the C kernels take: at most MAX_ROWS rows, eager."""
+    return x.numel() <= MAX_ROWS * width and not torch.compiler.is_compiling()
 
+
+class GemvRotaryTable(RotaryTable):
+    """The model's RoPE tables; a rotation of few rows is one C call, read through the input's strides."""
+
+    def rotate(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:  # x [B, T, heads, D] -> same, contiguous
+        batch, seq_len, heads, head_dim = x.shape
+        if not few_rows(x, heads * head_dim) or x.stride(-1) != 1:
+            return super().rotate(x, start_pos)
+        out = x.new_empty(x.shape)
+        GEMV_KERNEL.library().rope_rows(
+            x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), self.cos[start_pos].data_ptr(),
+            self.sin[start_pos].data_ptr(), out.data_ptr(), batch, seq_len, heads, head_dim)
+        return out
+
+
+class GemvSwiGLU(nn.Module):
+    """The model's SwiGLU (its w13 and w2, GemvLinears by now): silu(gate) * up of few rows in one C call."""
+
+    def __init__(self, swiglu: nn.Module):
+        super().__init__()
+        self.w13, self.w2 = swiglu.w13, swiglu.w2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., d_model] -> [..., d_model]
+        gate_up = self.w13(x)  # [..., 2 * ffn]: gate, then up
+        ffn = gate_up.shape[-1] // 2
+        if not few_rows(gate_up, 2 * ffn):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.w2(F.silu(gate).mul_(up))
+        hidden = gate_up.new_empty((*gate_up.shape[:-1], ffn))  # [..., ffn]
+        GEMV_KERNEL.library().silu_mul_rows(gate_up.data_ptr(), hidden.data_ptr(), gate_up.numel() // (2 * ffn), ffn)
+        return self.w2(hidden)
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Replace every nn.Linear of `model` by a GemvLinear, every RMSNorm by a GemvRMSNorm and every
+    SwiGLU by a GemvSwiGLU, over the same weights, and its RoPE by GemvRotaryTable; returns how many
+    linears."""
+    model.rotary = GemvRotaryTable
     replace = {nn.Linear: GemvLinear, RMSNorm: GemvRMSNorm}
     found = [(name, replace[type(module)]) for name, module in model.named_modules() if type(module) in replace]
     for name, kernel in found:
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, kernel(getattr(parent, attribute)))
+    for name in [name for name, module in model.named_modules() if type(module) is SwiGLU]:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attribute, GemvSwiGLU(getattr(parent, attribute)))
     return sum(kernel is GemvLinear for _, kernel in found)

@@ -121,9 +121,12 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
+    # The RoPE a session's tables apply (harness.model.cpu_gemv swaps in its C rotation for matmul=c).
+    rotary: type[RotaryTable] = RotaryTable
+
     def rotary_table(self, max_len: int) -> RotaryTable:
         c = self.cfg
-        return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
+        return self.rotary(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
 
     def forward(self, tokens: torch.Tensor, start_pos: int, caches: Sequence, rope: RotaryTable) -> torch.Tensor:
         """tokens [B, T] at positions start_pos.. -> logits [B, vocab] of the last position only.
@@ -165,8 +168,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
     """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
 
     matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
-    `batch_hint` rows; matmul="c" runs them and the RMSNorms through the C small-batch kernels
-    (harness.model.cpu_gemv).
+    `batch_hint` rows; matmul="c" runs them, the RMSNorms, RoPE and SwiGLU's activation through the
+    C small-batch kernels (harness.model.cpu_gemv).
     The weights' values are unchanged.
     """
     with torch.device("meta"):
