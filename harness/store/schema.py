@@ -67,7 +67,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
     ("kernel", S, "", "attention kernel that actually ran; null when the point did not run", "measured"),
-    ("matmul_kernel", S, "", "linear-layer kernel that ran: aten.linear, onednn.linear(packed weight) or cpu_gemv.c up to 16 rows", "measured"),
+    ("matmul_kernel", S, "", "linear-layer kernel that ran: aten.linear, onednn.linear(packed weight) or cpu_gemv.c up to 16 rows (with the step's small operators)", "measured"),
     ("compile_mode", S, "", "the torch.compile call the decode steps ran through; eager when compile=none", "measured"),
     ("compile_s", F, "s", "compile=inductor: seconds compiling the decode step before timing (its first calls); null when eager", "measured"),
     ("compile_recompiles", I, "", "compile=inductor: graphs compiled during the timed steps (0: no recompilation per position); null when eager", "measured"),
