@@ -19,7 +19,7 @@ def bench(name: str, median: float, **extra) -> dict:
 
 
 def run_json(scale: float = 1.0, slower: dict[str, float] | None = None, threads: int = 2,
-             contention: float = 0.0, attention: str = "c-kernel") -> dict:
+             contention: float = 0.0, attention: str = "c-kernel", cpu: str = "synthetic") -> dict:
     """A run of the suite: every median times `scale`, and the named benchmarks further times a factor;
     `contention`: the share of the CPUs other processes took during the run."""
     slower = slower or {}
@@ -36,7 +36,7 @@ def run_json(scale: float = 1.0, slower: dict[str, float] | None = None, threads
     ]
     for row in rows:
         row["stats"]["median"] *= scale * slower.get(row["name"], 1.0)
-    machine = {"cpu": {"brand_raw": "synthetic"}, "torch_threads": threads, "harness_matmul": "onednn",
+    machine = {"cpu": {"brand_raw": cpu}, "torch_threads": threads, "harness_matmul": "onednn",
                "harness_attention": attention, "cpu_contention": {"others_fraction": contention}}
     return {"machine_info": machine, "benchmarks": rows}
 
@@ -64,6 +64,17 @@ def test_an_unchanged_run_passes(tmp_path, baseline, capsys):
     code, out = gate(tmp_path, baseline, run_json(), capsys)
     assert code == 0, out
     assert "FAIL" not in out and "passed" in out
+
+
+def test_ratios_grown_against_another_cpus_baseline_are_inconclusive_but_floors_still_fail(tmp_path, baseline,
+                                                                                         capsys):
+    """A kernel's time against the control depends on the CPU model: against a baseline of another one a
+    grown ratio is reported, not blamed (exit 3); a fact below its floor still fails."""
+    name = "test_decode_step[heavy-contiguous]"
+    code, out = gate(tmp_path, baseline, run_json(slower={name: 1.3}, cpu="another CPU"), capsys)
+    assert code == 3 and "INCONCLUSIVE" in out and "another CPU" in out and name in out, out
+    code, out = gate(tmp_path, baseline, run_json(slower={name: 10.0}, cpu="another CPU"), capsys)
+    assert code == 1 and "BELOW FLOOR" in out, out
 
 
 def test_a_planted_30_percent_slowdown_of_one_strategy_fails_naming_it(tmp_path, baseline, capsys):
