@@ -6,7 +6,6 @@ what is read. That one call is the seam every decode strategy plugs into.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import ModelConfig
-from harness.model.random_fill import uniform_like_normal_
 
 
 class RMSNorm(nn.Module):
@@ -138,51 +136,3 @@ class Decoder(nn.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, rope, cache, start_pos)
         return self.output(self.norm(h[:, -1]))  # [B, vocab]
-
-
-@torch.no_grad()
-def init_weights(model: Decoder, seed: int) -> None:
-    """Seeded random weights, scaled so activations stay finite at any depth and in bf16.
-
-    Values are uniform with the standard deviations below (harness.model.random_fill: filled on all cores;
-    a decode step's time does not depend on the distribution).
-
-    Projections get std 1/sqrt(fan_in), which keeps each matmul's output at unit scale; the two
-    projections that write into the residual stream (wo, w2) are further divided by sqrt(2 * n_layers),
-    so the residual's variance grows to about 2 over the whole depth instead of by 2 per layer.
-    """
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    residual_scale = 1.0 / math.sqrt(2 * model.cfg.n_layers)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        std = 1.0 if name == "tok_embeddings.weight" else 1.0 / math.sqrt(param.shape[1])
-        if name.endswith(("wo.weight", "w2.weight")):
-            std *= residual_scale
-        uniform_like_normal_(param, std, generator)
-
-
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                matmul: str = "aten", batch_hint: int = 1) -> Decoder:
-    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
-
-    matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
-    `batch_hint` rows; matmul="c" runs them, the RMSNorms, RoPE and SwiGLU's activation through the
-    C small-batch kernels (harness.model.cpu_gemv).
-    The weights' values are unchanged.
-    """
-    with torch.device("meta"):
-        model = Decoder(cfg).to(dtype)  # on meta: costs nothing
-    model = model.to_empty(device=device)
-    init_weights(model, seed)
-    model = model.eval().requires_grad_(False)
-    if matmul == "onednn":
-        from harness.model.cpu_linear import pack_linears
-
-        pack_linears(model, batch_hint)
-    elif matmul == "c":
-        from harness.model.cpu_gemv import use_gemv
-
-        use_gemv(model)
-    return model
