@@ -26,6 +26,7 @@ from torch import nn
 
 from harness.kernels.build import POINTER, SIZE, CKernel
 from harness.model.decoder import RMSNorm, RotaryTable, SwiGLU
+from harness.model.swap import swap_modules
 
 # Rows up to which the C kernel runs (measured at cpu_small: at 16 rows it matched oneDNN packed, 23.6
 # against 23.0 ms for the step's linears; at 8 it took 11.0 against 16.2 ms).
@@ -146,14 +147,7 @@ def use_gemv(model: nn.Module) -> int:
     SwiGLU by a GemvSwiGLU, over the same weights, and its RoPE by GemvRotaryTable; returns how many
     linears."""
     model.rotary = GemvRotaryTable
-    replace = {nn.Linear: GemvLinear, RMSNorm: GemvRMSNorm}
-    found = [(name, replace[type(module)]) for name, module in model.named_modules() if type(module) in replace]
-    for name, kernel in found:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, kernel(getattr(parent, attribute)))
-    for name in [name for name, module in model.named_modules() if type(module) is SwiGLU]:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, GemvSwiGLU(getattr(parent, attribute)))
-    return sum(kernel is GemvLinear for _, kernel in found)
+    linears = swap_modules(model, nn.Linear, GemvLinear)
+    swap_modules(model, RMSNorm, GemvRMSNorm)
+    swap_modules(model, SwiGLU, GemvSwiGLU)  # after the linears: it keeps the GemvLinears it finds
+    return linears

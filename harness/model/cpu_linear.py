@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from harness.model import cpu_gemv
+from harness.model.swap import swap_modules
 
 KERNELS = {"aten": "aten.linear", "onednn": "onednn.linear(packed weight)", "c": cpu_gemv.KERNEL_NAME}
 
@@ -83,10 +84,4 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, out_features: int) -> torch.
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
     """Replace every nn.Linear of `model` by a PackedLinear, one at a time (peak: one extra weight)."""
-    # Names only: holding the modules in a list would keep every dense weight alive until the end.
-    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name in names:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, PackedLinear(getattr(parent, attribute), batch_hint))
-    return len(names)
+    return swap_modules(model, nn.Linear, lambda linear: PackedLinear(linear, batch_hint))
