@@ -17,7 +17,10 @@
  * each run of consecutive keys resolved through the table once. That replaced the lanes below for
  * those widths: at B=16, n_kv=2, G=2, D=64, 8192 tokens, in the model's step (three runs), 1.09-1.14x
  * the (now faster) contiguous step at block 16 and 0.85-1.03x at 64, where the lanes measured 1.29x
- * and 1.21x of it. What is left at block 16 is the scatter, as below.
+ * and 1.21x of it. What is left at block 16 is the scatter, as below, and on 4 KiB pages it is page
+ * walks: each block of a shuffled pool is a page of its own whose table entry is scattered too; with
+ * both tables on 2 MiB pages paged16 ran at 1.075x and paged64 at 0.98x the contiguous kernel, against
+ * 1.22x and 1.09x on 4 KiB pages (prefetching the next blocks ahead did not help: it needs the same walks).
  *
  * Any other head dimension: the structure of cpu_decode_attention.c's generic path: an online softmax over
  * chunks of CHUNK keys, each key and value row read from memory once; the G dot products of a key row
