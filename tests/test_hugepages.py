@@ -52,3 +52,15 @@ def test_hugepages_without_isolation_is_refused(results_dir):
     assert "hugepages" in done.stderr and "isolate=true" in done.stderr and "Traceback" not in done.stderr
     assert not results_dir.exists() or not list(results_dir.glob("*.parquet"))
 
+
+
+def test_a_sweep_over_page_sizes_draws_each_layout_on_each():
+    import pandas as pd
+
+    from harness.analysis.results import SERIES, add_series
+
+    rows = pd.DataFrame({"strategy": ["paged", "paged", "contiguous", "contiguous"],
+                         "strategy_options": ['{"block_size": 16}'] * 2 + ["{}"] * 2,
+                         "hugepages": [True, False, None, None]})  # None: a row written before the column
+    assert list(add_series(rows)[SERIES]) == ["paged[hugepages=True]", "paged[hugepages=False]", "contiguous",
+                                              "contiguous"]

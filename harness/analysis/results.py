@@ -210,10 +210,16 @@ SERIES = "series"  # the column naming a strategy with the options that tell its
 def add_series(rows: pd.DataFrame) -> pd.DataFrame:
     """rows with a `series` column: the strategy's name, followed by the options that differ among the
     rows of that strategy, e.g. `quantized[format=int4]` beside `quantized[format=int8]`, and plain
-    `paged` when every paged row has the same block size. Plots and tables draw one line per series."""
+    `paged` when every paged row has the same block size; `hugepages` counts as such an option (a sweep
+    over hugepages=true,false draws each layout on each page size). Plots and tables draw one line per
+    series."""
     if "strategy" not in rows or rows.empty:
         return rows.assign(**{SERIES: rows.get("strategy")})
     options = rows.get("strategy_options", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
+    if "hugepages" in rows:  # a run option that changes what a layout costs (scattered blocks, page walks)
+        pages = rows["hugepages"].fillna(False).astype(bool)  # rows written before the column: default pages
+        options = pd.Series([{**option, "hugepages": bool(huge)} for option, huge in zip(options, pages)],
+                            index=rows.index)
     labels = rows["strategy"].astype(str).copy()
     for name, mine in options.groupby(rows["strategy"]):
         keys = sorted({key for option in mine for key in option})

@@ -81,7 +81,10 @@ class Point:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def label(self) -> str:
-        return f"{self.strategy.name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}"
+        """How progress lines and errors name the point: the run options that tell two points of one
+        sweep apart are in it (a compiled step, 2 MiB pages)."""
+        options = (f" compile={self.compile}" if self.compile != "none" else "") + (" hugepages" if self.hugepages else "")
+        return f"{self.strategy.name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 
 def point_from_identity(identity: dict) -> Point:

@@ -83,7 +83,7 @@ def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
         b = int(batches[0])
         out.append(Paragraph(
             "No two rows of one cached strategy share batch × ctx here. A sweep with such pairs: "
-            f"`python -m harness.run -m model={group.model} strategy={group.plain_cache() or '<a cached strategy>'} "
+            f"`python -m harness.run -m model={group.model} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
             f"batch={b},{4 * b} ctx=256,1024 device={group.device} dtype={group.dtype}` "
             f"({b} × 1024 = {4 * b} × 256)."))
     return out

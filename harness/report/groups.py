@@ -55,8 +55,13 @@ class Group:
         return ordered_strategies(self.ok)
 
     def plain_cache(self) -> str | None:
-        """The strategy the cache-against-no-cache figures use (see plain_cache_strategy)."""
+        """The series the cache-against-no-cache figures use (see plain_cache_strategy)."""
         return plain_cache_strategy(self.ok)
+
+    def plain_cache_strategy_name(self) -> str | None:
+        """The `strategy=` value of plain_cache's rows, for a command line (a series may carry options)."""
+        series = self.plain_cache()
+        return None if series is None else str(self.ok.loc[self.ok[SERIES] == series, "strategy"].iloc[0])
 
 
 # What the report needs to know of a strategy, it reads from the row's capability columns (caches_kv,

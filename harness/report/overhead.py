@@ -120,7 +120,7 @@ def _compiled_section(groups: list[Group]) -> list[Block]:
     if not shown:
         first = groups[0] if groups else None
         model, device = (first.model, first.device) if first else ("<model>", "<device>")
-        cached = (first.plain_cache() if first else None) or "<a compilable cached strategy>"
+        cached = (first.plain_cache_strategy_name() if first else None) or "<a compilable cached strategy>"
         out.append(Paragraph(
             "No point here ran both eager and compiled; a sweep that does: "
             f"`python -m harness.run -m model={model} strategy={cached} compile={EAGER},{COMPILED} "

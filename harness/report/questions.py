@@ -9,7 +9,6 @@ rows show, and says plainly when the rows at hand cannot show it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
