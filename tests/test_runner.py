@@ -14,7 +14,11 @@ import pytest
 from harness.store.schema import COLUMN_NAMES, SCHEMA
 from tests.conftest import REPO_ROOT, run_cli
 
-TINY_SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6"]
+# Each test's results folder is new, so each run calibrates; these tests read rows, not roofs, and a 4 s
+# budget (tests/test_fidelity.py tests the full calibration) takes ~25 s off each.
+QUICK_CALIBRATION = "calibration_budget_s=4"
+TINY_SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6",
+              QUICK_CALIBRATION]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def test_rerun_skips_finished_points_unless_overwrite(swept):
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
     result = run_cli("-m", "device=cpu", "model=tiny", "decode_tokens=4", "ctx=8", "batch=1,2",
-                     "strategy._target_=tests.failing.ExplodingStrategy", f"results_dir={results_dir}")
+                     "strategy._target_=tests.failing.ExplodingStrategy", QUICK_CALIBRATION, f"results_dir={results_dir}")
     assert result.returncode == 1  # the sweep finished, and says some point failed
     frame = pd.read_parquet(results_dir)
     assert len(frame) == 2 and (frame.status == "failed").all()
@@ -85,7 +89,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
 
 def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
     args = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous", "batch=1,2", "ctx=8,16", "decode_tokens=40",
-            f"results_dir={results_dir}"]
+            QUICK_CALIBRATION, f"results_dir={results_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     sweep = subprocess.Popen([sys.executable, "-m", "harness.run", *args], cwd=REPO_ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -107,7 +111,7 @@ def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
 def test_a_small_point_after_a_large_one_shows_its_own_peak(results_dir):
     # Large: 256 sequences x 1040 tokens x 512 B/token = 136 MB of cache. Small: 1 x 20 tokens.
     result = run_cli("-m", "device=cpu", "model=tiny", "strategy=contiguous", "batch=256,1", "ctx=1024,16", "decode_tokens=4",
-                     f"results_dir={results_dir}")
+                     QUICK_CALIBRATION, f"results_dir={results_dir}")
     assert result.returncode == 0, result.stderr
     frame = pd.read_parquet(results_dir).set_index(["batch", "ctx"])
     large, small = frame.loc[(256, 1024)], frame.loc[(1, 16)]
