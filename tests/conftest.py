@@ -49,6 +49,11 @@ def planned_point(*overrides: str):
     return plan(["device=cpu", *overrides], cuda_available=lambda: False).jobs[0].point
 
 
+# For runs that read rows, not roofs: each test's results folder is new, so each run calibrates, and the
+# default 120 s budget spends ~28 s here (tests/test_fidelity.py tests the calibration itself).
+QUICK_CALIBRATION = "calibration_budget_s=4"
+
+
 def run_cli(*args: str, module: str = "harness.run", timeout: float = 600, **popen) -> subprocess.CompletedProcess:
     """`python -m <module> args...` from the repository root, as a user would run it."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}

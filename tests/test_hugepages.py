@@ -4,8 +4,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from harness.analysis.results import SERIES, add_series
 from harness.measure.point import measure_point
 from harness.run.isolation import run_isolated
 from harness.run.row import build_row
@@ -53,12 +55,7 @@ def test_hugepages_without_isolation_is_refused(results_dir):
     assert not results_dir.exists() or not list(results_dir.glob("*.parquet"))
 
 
-
 def test_a_sweep_over_page_sizes_draws_each_layout_on_each():
-    import pandas as pd
-
-    from harness.analysis.results import SERIES, add_series
-
     rows = pd.DataFrame({"strategy": ["paged", "paged", "contiguous", "contiguous"],
                          "strategy_options": ['{"block_size": 16}'] * 2 + ["{}"] * 2,
                          "hugepages": [True, False, None, None]})  # None: a row written before the column

@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from tests.conftest import REPO_ROOT, run_cli
+from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, run_cli
 
 PLUGIN_CONF = REPO_ROOT / "tests" / "plugin" / "conf"
 PLUGIN = "plugin_cache"
@@ -21,7 +21,7 @@ def swept(tmp_path_factory):
     results = tmp_path_factory.mktemp("plugin") / "results"
     done = run_cli("-m", f"hydra.searchpath=[file://{PLUGIN_CONF}]", "device=cpu", "model=tiny",
                    f"strategy=no_cache,contiguous,{PLUGIN}", "batch=1,2", "ctx=8,16", "decode_tokens=4",
-                   "calibration_budget_s=4", f"results_dir={results}")
+                   QUICK_CALIBRATION, f"results_dir={results}")
     assert done.returncode == 0, done.stderr
     return results
 

@@ -12,11 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.store.schema import COLUMN_NAMES, SCHEMA
-from tests.conftest import REPO_ROOT, run_cli
+from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, run_cli
 
-# Each test's results folder is new, so each run calibrates; these tests read rows, not roofs, and a 4 s
-# budget (tests/test_fidelity.py tests the full calibration) takes ~25 s off each.
-QUICK_CALIBRATION = "calibration_budget_s=4"
 TINY_SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=1,2", "ctx=8,32", "decode_tokens=6",
               QUICK_CALIBRATION]
 
