@@ -1,10 +1,11 @@
 """A cpu_small decode step with each piece of the C small-batch path in turn, timed interleaved in one process.
 
 Variants (same seeded weights): `onednn` (matmul=onednn: packed linears, torch's small operators);
-`c_linear` (the C linears only); `c_linear_norm` (and the C RMSNorm); `c_all` (matmul=c as shipped:
-also RoPE and SwiGLU's activation in C). One step of each in turn, every step at position ctx (the
-session is rewound), medians printed with whether all four pick the same next tokens. The figures
-behind docs/performance.md's "small operators that run cold". Run it under `flock /tmp/cpu.lock`.
+`c_linear` (the C linears only); `c_linear_norm` (and the C RMSNorm); `c_block` (matmul=c as shipped:
+each decoder block two C calls, harness.model.cpu_gemv.GemvBlock). One step of each in turn, every
+step at position ctx (the session is rewound), medians printed with whether all four pick the same
+next tokens. The figures behind docs/performance.md's "small operators that run cold" and "a block in
+two calls". Run it under `flock /tmp/cpu.lock`.
 
     python scripts/step_kernels_ab.py --batch 1 --ctx 256
 """
@@ -22,7 +23,7 @@ from harness.config.paths import config_dir
 from harness.model import build_model, decoder
 from strategies.contiguous import ContiguousStrategy
 
-VARIANTS = ("onednn", "c_linear", "c_linear_norm", "c_all")
+VARIANTS = ("onednn", "c_linear", "c_linear_norm", "c_block")
 
 
 def variant_model(shape: ModelConfig, kind: str, batch: int) -> decoder.Decoder:
@@ -30,11 +31,7 @@ def variant_model(shape: ModelConfig, kind: str, batch: int) -> decoder.Decoder:
     model = build_model(shape, torch.device("cpu"), torch.float32, 0, "onednn" if kind == "onednn" else "c",
                         batch_hint=batch)
     if kind in ("c_linear", "c_linear_norm"):
-        model.rotary = decoder.RotaryTable
-        for block in model.layers:
-            swiglu = decoder.SwiGLU(shape)  # torch's activation around the same C linears
-            swiglu.w13, swiglu.w2 = block.feed_forward.w13, block.feed_forward.w2
-            block.feed_forward = swiglu
+        model.layers = torch.nn.ModuleList(layer.block for layer in model.layers)  # the block's own modules
     if kind == "c_linear":
         for block in model.layers:
             for name in ("attention_norm", "ffn_norm"):

@@ -1,5 +1,6 @@
 """The C small-batch linear (harness/model/cpu_gemv.c), device=cpu: aten's product at every edge of its
-tiling, independent of the thread count, and used only where it is meant to be."""
+tiling, independent of the thread count, and used only where it is meant to be; and the decoder block
+it runs in two calls, against the model's own."""
 from __future__ import annotations
 
 import pytest
@@ -82,30 +83,74 @@ def test_matmul_c_in_bf16_is_refused_in_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1 and not list(tmp_path.rglob("*.parquet"))
 
 
-@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 5), (4, 5)])  # the last: more than MAX_ROWS rows
-def test_the_rotation_is_the_models_rope(batch, tokens):
-    """Through a strided view as the model calls it (q and k of the fused qkv projection), at a position."""
+class RecordingCache:
+    """A layer cache that keeps what it is given and attends over exactly that (no earlier tokens)."""
+
+    def __init__(self):
+        self.given = []
+
+    def attend(self, q, k, v, start_pos):
+        from strategies.attention import grouped_attention
+
+        self.given.append((q.clone(), k.clone(), v.clone(), start_pos))
+        return grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), q_offset=0)  # [B, T, H, D]
+
+
+def block_pair():
+    """A model Block with non-trivial norm weights, and a GemvBlock over the same modules."""
+    from harness.model.decoder import Block
+
+    block = Block(TINY)
+    with torch.no_grad():
+        for param in block.parameters():
+            torch.nn.init.uniform_(param, 0.5, 1.5) if param.dim() == 1 else torch.nn.init.normal_(param, std=0.1)
+    return block, cpu_gemv.GemvBlock(block)
+
+
+# (batch, tokens): a decode step; several sequences; a short prompt; more rows than MAX_ROWS (the
+# block's own modules run).
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 5), (4, 5)])
+def test_the_block_is_the_models_block(batch, tokens):
+    """The two C calls compute Block.forward: the same q, k, v reach the cache (RoPE at the position),
+    and the residual stream comes out the same."""
     from harness.model.decoder import RotaryTable
 
-    heads, kv, head_dim, start = 4, 2, 64, 7
-    qkv = torch.randn(batch, tokens, heads + 2 * kv, head_dim)  # [B, T, H + 2 kv, D]
-    view = qkv[:, :, : heads + kv]  # not contiguous
-    reference = RotaryTable(head_dim, 32, 10000.0, torch.device("cpu"), torch.float32)
-    tables = cpu_gemv.GemvRotaryTable(head_dim, 32, 10000.0, torch.device("cpu"), torch.float32)
-    torch.testing.assert_close(tables.rotate(view, start), reference.rotate(view, start), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [1, 4, cpu_gemv.MAX_ROWS + 1])
-def test_the_activation_is_swiglus(rows):
-    from harness.model.decoder import SwiGLU
-
-    reference = SwiGLU(TINY)
-    fused = cpu_gemv.GemvSwiGLU(reference)
-    x = torch.randn(rows, 1, TINY.d_model)  # [B, T, d_model]
+    block, fused = block_pair()
+    rope = RotaryTable(TINY.resolved_head_dim, 32, 10000.0, torch.device("cpu"), torch.float32)
+    x = torch.randn(batch, tokens, TINY.d_model)  # [B, T, d_model]
+    expected_cache, fused_cache = RecordingCache(), RecordingCache()
     with torch.no_grad():
-        torch.testing.assert_close(fused(x), reference(x), rtol=1e-5, atol=1e-5)
+        expected = block(x.clone(), rope, expected_cache, 7)
+        got = fused(x.clone(), rope, fused_cache, 7)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for given, reference in zip(fused_cache.given[0][:3], expected_cache.given[0][:3]):
+        torch.testing.assert_close(given, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_matmul_c_rotates_with_the_c_tables():
-    assert isinstance(cpu_model(TINY, matmul="c").rotary_table(8), cpu_gemv.GemvRotaryTable)
-    assert type(cpu_model(TINY, matmul="aten").rotary_table(8)).__name__ == "RotaryTable"
+def test_the_block_runs_in_place_and_does_not_depend_on_the_thread_count():
+    from harness.model.decoder import RotaryTable
+
+    _, fused = block_pair()
+    rope = RotaryTable(TINY.resolved_head_dim, 8, 10000.0, torch.device("cpu"), torch.float32)
+    x = torch.randn(3, 1, TINY.d_model)  # [B, T, d_model]
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            stream = x.clone()
+            with torch.no_grad():
+                assert fused(stream, rope, RecordingCache(), 2) is stream  # the residual stream, updated in place
+            outputs.append(stream)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def test_matmul_c_wraps_every_block():
+    from harness.model.decoder import Block
+
+    model = cpu_model(TINY, matmul="c")
+    assert all(isinstance(layer, cpu_gemv.GemvBlock) for layer in model.layers) and len(model.layers) == TINY.n_layers
+    assert not any(type(m) is Block for m in model.layers)
+    assert not any(isinstance(m, cpu_gemv.GemvBlock) for m in cpu_model(TINY, matmul="aten").modules())

@@ -1,6 +1,7 @@
 /* The small-batch linear of a decode step on a CPU in fp32: out[r, n] = sum_k x[r, k] w[n, k] for a
  * few rows r (the batch) against a whole weight matrix w [N, K], row-major, as nn.Linear stores it;
- * and the RMSNorm before it (rms_norm_rows, at the end).
+ * and, at the end, a decoder block's few-row calls built from it: the RMSNorm, RoPE, SwiGLU's activation
+ * and the residual adds between its linears, in two parallel regions a block.
  *
  * Built and loaded by harness/kernels/build.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp);
  * called by harness/model/cpu_gemv.py. Why it is shaped this way (measured on a 2-core Xeon VM, the
@@ -28,13 +29,15 @@
 
 #define STREAMS 6 /* weight rows read in lockstep per thread (1 stream: 1.4x the time at 1 row) */
 #define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators in registers */
+#define ACTIVATION_BLOCK 256 /* SwiGLU activation values a thread takes at a time */
 
 
-/* out[r, row[s]] for weight rows row[0..n_rows-1] and input rows r < n_inputs (<= TILE); n_rows and
- * n_inputs are constants where it is inlined, so the accumulators are registers. */
+/* out[r, row[s]] (or out += it, with accumulate) for weight rows row[0..n_rows-1] and input rows
+ * r < n_inputs (<= TILE); n_rows and n_inputs are constants where it is inlined, so the accumulators
+ * are registers. */
 static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *w, float *out, int64_t k_len,
                                                           int64_t n_len, const int64_t *row, const int n_rows,
-                                                          const int n_inputs) {
+                                                          const int n_inputs, const int accumulate) {
     vec acc[STREAMS][TILE];
     for (int s = 0; s < n_rows; s++)
         for (int r = 0; r < n_inputs; r++) acc[s][r] = (vec){0};
@@ -59,16 +62,17 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, const
             const int s = (first + j) / n_inputs, r = (first + j) % n_inputs;
             float sum = sums[j];
             for (int64_t k = k_vec; k < k_len; k++) sum += x[r * k_len + k] * w[row[s] * k_len + k];
-            out[r * n_len + row[s]] = sum;
+            /* accumulate: the residual add of wo and w2 (x += x_in @ w^T), the same fp32 sum x.add_ makes */
+            out[r * n_len + row[s]] = accumulate ? out[r * n_len + row[s]] + sum : sum;
         }
     }
 }
 
-#define DOT_ROWS(n_rows, n_inputs) dot_rows(x_tile, w, out_tile, k_len, n_len, row, n_rows, n_inputs)
+#define DOT_ROWS(n_rows, n_inputs) dot_rows(x_tile, w, out_tile, k_len, n_len, row, n_rows, n_inputs, accumulate)
 
 /* Every input row against weight rows row[0..n_rows-1] (n_rows is STREAMS or 1), a tile at a time. */
 static void dot_all_inputs(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len,
-                           int64_t n_len, const int64_t *row, int n_rows) {
+                           int64_t n_len, const int64_t *row, int n_rows, int accumulate) {
     for (int64_t first = 0; first < n_inputs; first += TILE) {
         const float *x_tile = x + first * k_len;
         float *out_tile = out + first * n_len;
@@ -91,30 +95,36 @@ static void dot_all_inputs(const float *x, const float *w, float *out, int64_t n
     }
 }
 
-/* x [n_inputs, k_len], w [n_len, k_len], out [n_inputs, n_len], all contiguous. Each thread takes an
- * equal range of weight rows; the rows a range leaves after its STREAMS equal segments go one by one. */
-void gemv(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len, int64_t n_len, int threads) {
-#pragma omp parallel num_threads(threads)
-    {
-        const int thread = omp_get_thread_num(), n_threads = omp_get_num_threads();
-        const int64_t first = n_len * thread / n_threads, end = n_len * (thread + 1) / n_threads;
-        const int64_t segment = (end - first) / STREAMS;
-        int64_t row[STREAMS];
-        for (int64_t i = 0; i < segment; i++) {
-            for (int s = 0; s < STREAMS; s++) row[s] = first + s * segment + i;
-            dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, STREAMS);
-        }
-        for (int64_t r = first + segment * STREAMS; r < end; r++) {
-            row[0] = r;
-            dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, 1);
-        }
+/* One thread's share of out = x @ w^T (out += x @ w^T with accumulate), called inside a parallel
+ * region: x [n_inputs, k_len], w [n_len, k_len], out [n_inputs, n_len], all contiguous. Each thread
+ * takes an equal range of weight rows; the rows a range leaves after its STREAMS equal segments go one
+ * by one. */
+static void gemv_share(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len, int64_t n_len,
+                       int accumulate) {
+    const int thread = omp_get_thread_num(), n_threads = omp_get_num_threads();
+    const int64_t first = n_len * thread / n_threads, end = n_len * (thread + 1) / n_threads;
+    const int64_t segment = (end - first) / STREAMS;
+    int64_t row[STREAMS];
+    for (int64_t i = 0; i < segment; i++) {
+        for (int s = 0; s < STREAMS; s++) row[s] = first + s * segment + i;
+        dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, STREAMS, accumulate);
+    }
+    for (int64_t r = first + segment * STREAMS; r < end; r++) {
+        row[0] = r;
+        dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, 1, accumulate);
     }
 }
 
-/* out[r] = x[r] * weight / sqrt(mean(x[r]^2) + eps) for rows r < n_inputs of width k_len: the RMSNorm
- * before each of a step's linears, one call on one thread. Through torch (F.rms_norm, a composite of
- * seven operators on a CPU) each of a step's 17 norms ran cold after a weight read: this call took a
- * cpu_small step from 11.1 to 10.4 ms at b=1 and 14.8 to 13.8 ms at b=4 (docs/performance.md). */
+/* out = x @ w^T on `threads` threads: x [n_inputs, k_len], w [n_len, k_len], out [n_inputs, n_len]. */
+void gemv(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len, int64_t n_len, int threads) {
+#pragma omp parallel num_threads(threads)
+    gemv_share(x, w, out, n_inputs, k_len, n_len, 0);
+}
+
+/* out[r] = x[r] * weight / sqrt(mean(x[r]^2) + eps) for rows r < n_inputs of width k_len, on one thread:
+ * the block's two norms (inside its calls below) and the final norm before the output head. Through
+ * torch (F.rms_norm, a composite of seven operators on a CPU) each of a step's 17 norms ran cold after a
+ * weight read; one C call each took a cpu_small step from 11.1 to 10.4 ms at b=1 (docs/performance.md). */
 void rms_norm_rows(const float *x, const float *weight, float eps, float *out, int64_t n_inputs, int64_t k_len) {
     for (int64_t r = 0; r < n_inputs; r++) {
         const float *row = x + r * k_len;
@@ -127,33 +137,71 @@ void rms_norm_rows(const float *x, const float *weight, float eps, float *out, i
     }
 }
 
-/* RoPE for a decode step's few rows: out[b, t, h] = x[b, t, h] * cos[t] + swap_halves(x[b, t, h]) * sin[t]
- * (harness.model.decoder.RotaryTable's rotate-half form, the pair's sign folded into sin), x read
- * through its strides (a view of the fused qkv projection), out contiguous [B, T, heads, D]. cos and
- * sin point at the rows of positions start_pos.. of their [max_len, D] tables. One call instead of the
- * slice, flip, multiply and addcmul torch runs cold after a weight read. */
-void rope_rows(const float *x, int64_t batch_stride, int64_t token_stride, int64_t head_stride, const float *cos,
-               const float *sin, float *out, int64_t batch, int64_t tokens, int64_t heads, int64_t dim) {
+/* RoPE in place on one head of `dim` floats: h = h * cos + swap_halves(h) * sin
+ * (harness.model.decoder.RotaryTable's rotate-half form, the pair's sign folded into sin). */
+static void rope_head(float *head, const float *cos, const float *sin, int64_t dim) {
     const int64_t half = dim / 2;
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < heads; h++) {
-                const float *row = x + b * batch_stride + t * token_stride + h * head_stride;
-                const float *c = cos + t * dim, *s = sin + t * dim;
-                float *o = out + ((b * tokens + t) * heads + h) * dim;
+    float original[dim];
+    for (int64_t i = 0; i < dim; i++) original[i] = head[i];
 #pragma omp simd
-                for (int64_t i = 0; i < half; i++) o[i] = row[i] * c[i] + row[i + half] * s[i];
+    for (int64_t i = 0; i < half; i++) head[i] = original[i] * cos[i] + original[i + half] * sin[i];
 #pragma omp simd
-                for (int64_t i = half; i < dim; i++) o[i] = row[i] * c[i] + row[i - half] * s[i];
-            }
+    for (int64_t i = half; i < dim; i++) head[i] = original[i] * cos[i] + original[i - half] * sin[i];
 }
 
-/* SwiGLU's activation: out[r, i] = silu(gate_up[r, i]) * gate_up[r, ffn + i], gate and up stacked in one
- * [rows, 2 * ffn] output of the w13 projection; one call instead of chunk, silu and mul. */
-void silu_mul_rows(const float *gate_up, float *out, int64_t rows, int64_t ffn) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * ffn, *up = gate + ffn;
+/* The two halves of a decoder block for a decode step's few rows (harness.model.cpu_gemv.GemvBlock),
+ * each one call and one parallel region: between a layer's weight reads nothing returns to Python, so
+ * no operator runs cold after a read and no call pays the interpreter (docs/performance.md). Threads
+ * share each product's weight rows (gemv_share); the norm runs on one thread, RoPE and the activation
+ * on all; a barrier separates each stage from the next.
+ *
+ * attention_input: qkv [batch, tokens, heads, dim] = rms_norm(x) @ wqkv^T, then RoPE in place on its
+ * first rotated_heads heads (queries, then keys; the values after them stay as projected). cos and sin
+ * point at the table rows of the tokens' first position; normed is scratch [rows, d_model]. */
+void attention_input(const float *x, const float *norm_weight, float eps, const float *wqkv, const float *cos,
+                     const float *sin, float *normed, float *qkv, int64_t batch, int64_t tokens, int64_t d_model,
+                     int64_t heads, int64_t rotated_heads, int64_t dim, int threads) {
+    const int64_t rows = batch * tokens;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp single
+        rms_norm_rows(x, norm_weight, eps, normed, rows, d_model); /* its implicit barrier publishes normed */
+        gemv_share(normed, wqkv, qkv, rows, d_model, heads * dim, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * rotated_heads; i++) {
+            const int64_t row = i / rotated_heads, token = row % tokens;
+            rope_head(qkv + row * heads * dim + (i % rotated_heads) * dim, cos + token * dim, sin + token * dim, dim);
+        }
+    }
+}
+
+/* attention_output_and_ffn: the rest of the block, in place on the residual stream x [rows, d_model]:
+ * x += attention @ wo^T; x += (silu(gate) * up) @ w2^T with gate, up = rms_norm(x) @ w13^T (w13 stacks
+ * the gate's rows, then the up projection's). normed [rows, d_model], gate_up [rows, 2 ffn] and hidden
+ * [rows, ffn] are scratch. */
+void attention_output_and_ffn(const float *attention, const float *wo, float *x, const float *norm_weight, float eps,
+                              const float *w13, const float *w2, float *normed, float *gate_up, float *hidden,
+                              int64_t rows, int64_t d_model, int64_t attention_width, int64_t ffn, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        gemv_share(attention, wo, x, rows, attention_width, d_model, 1);
+#pragma omp barrier
+#pragma omp single
+        rms_norm_rows(x, norm_weight, eps, normed, rows, d_model);
+        gemv_share(normed, w13, gate_up, rows, d_model, 2 * ffn, 0);
+#pragma omp barrier
+        /* Fixed blocks of ACTIVATION_BLOCK values, whichever thread takes one: the vectorised expf and its
+         * scalar edges then meet the same values at any thread count, so the result does not depend on it. */
+        const int64_t blocks_per_row = (ffn + ACTIVATION_BLOCK - 1) / ACTIVATION_BLOCK;
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < rows * blocks_per_row; block++) {
+            const int64_t r = block / blocks_per_row, first = block % blocks_per_row * ACTIVATION_BLOCK;
+            const int64_t end = first + ACTIVATION_BLOCK < ffn ? first + ACTIVATION_BLOCK : ffn;
+            const float *gate = gate_up + r * 2 * ffn, *up = gate + ffn;
 #pragma omp simd
-        for (int64_t i = 0; i < ffn; i++) out[r * ffn + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            for (int64_t i = first; i < end; i++) hidden[r * ffn + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        gemv_share(hidden, w2, x, rows, ffn, d_model, 1);
     }
 }

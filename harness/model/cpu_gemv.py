@@ -1,5 +1,5 @@
 """The C small-batch linear (`cpu_gemv.c`): the CPU fp32 matmul of `matmul=c`, what `auto` picks there;
-and the small operators between the linears (RMSNorm, RoPE, SwiGLU's activation) through the same library.
+and a decode step's decoder blocks through the same library, two calls a block.
 
 A decode step's linears multiply a handful of rows (the batch) by whole weight matrices, so their
 time is the weight read. The C kernel reads each thread's weight rows as STREAMS interleaved streams
@@ -9,11 +9,13 @@ time is the weight read. The C kernel reads each thread's weight rows as STREAMS
 a call goes to aten's `F.linear`, whose blocked GEMM is built for them; rows name both
 (`matmul_kernel`). The weight stays the dense nn.Linear weight: no second copy.
 
-The small operators go with it: between two weight reads each torch operator ran cold, a few hundred
-microseconds where it takes a few warm (docs/performance.md, "small operators that run cold"). One C
-call per RMSNorm (`F.rms_norm` is a composite of seven operators on a CPU) took 0.7-1.0 ms off a
-cpu_small step; RoPE and SwiGLU's activation are one call each too. Calls of more rows, and compiled
-graphs (which inductor fuses itself), stay torch's.
+The operators between the linears go with them. Between two weight reads each torch operator ran
+cold, a few hundred microseconds where it takes a few warm, and each call from Python cost 7-15 us
+before it read a byte (docs/performance.md, "small operators that run cold"). So a block of few rows
+is two C calls (GemvBlock): the RMSNorm, the qkv projection and RoPE; then, after the strategy's
+cache has attended, the output projection and its residual add, the second RMSNorm, SwiGLU and its
+residual add. Calls of more rows, and compiled graphs (which inductor fuses itself), run the block's
+own modules.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.kernels.build import POINTER, SIZE, CKernel
-from harness.model.decoder import RMSNorm, RotaryTable, SwiGLU
+from harness.model.decoder import Block, RMSNorm, RotaryTable
 from harness.model.swap import swap_modules
 
 # Rows up to which the C kernel runs (measured at cpu_small: at 16 rows it matched oneDNN packed, 23.6
@@ -36,12 +38,14 @@ GEMV_KERNEL = CKernel(Path(__file__).with_name("cpu_gemv.c"), {
     "gemv": [POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, ctypes.c_int],
     # x, weight, eps, out, n_inputs, k_len
     "rms_norm_rows": [POINTER, POINTER, ctypes.c_float, POINTER, SIZE, SIZE],
-    # x, batch_stride, token_stride, head_stride, cos, sin, out, batch, tokens, heads, dim
-    "rope_rows": [POINTER, SIZE, SIZE, SIZE, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, SIZE],
-    # gate_up, out, rows, ffn
-    "silu_mul_rows": [POINTER, POINTER, SIZE, SIZE],
+    # x, norm_weight, eps, wqkv, cos, sin, normed, qkv, batch, tokens, d_model, heads, rotated_heads, dim, threads
+    "attention_input": [POINTER, POINTER, ctypes.c_float, POINTER, POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE,
+                        SIZE, SIZE, SIZE, ctypes.c_int],
+    # attention, wo, x, norm_weight, eps, w13, w2, normed, gate_up, hidden, rows, d_model, attention_width, ffn, threads
+    "attention_output_and_ffn": [POINTER, POINTER, POINTER, POINTER, ctypes.c_float, POINTER, POINTER, POINTER, POINTER,
+                                 POINTER, SIZE, SIZE, SIZE, SIZE, ctypes.c_int],
 })
-KERNEL_NAME = f"{GEMV_KERNEL.name} up to {MAX_ROWS} rows (linears, RMSNorm, RoPE, SwiGLU), aten above"  # rows name it
+KERNEL_NAME = f"{GEMV_KERNEL.name} up to {MAX_ROWS} rows (decoder blocks in two calls, linears), aten above"  # rows name it
 
 
 def unavailable() -> str | None:
@@ -110,44 +114,112 @@ def few_rows(x: torch.Tensor, width: int) -> bool:
     return x.numel() <= MAX_ROWS * width and not torch.compiler.is_compiling()
 
 
-class GemvRotaryTable(RotaryTable):
-    """The model's RoPE tables; a rotation of few rows is one C call, read through the input's strides."""
+def attention_input(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, n_heads: int, n_kv_heads: int, normed: torch.Tensor | None = None) -> torch.Tensor:
+    """rope(rms_norm(x) @ wqkv^T) in one C call: x [B, T, d_model] contiguous, cos/sin [T, D] (the
+    tables' rows of the tokens' positions) -> qkv [B, T, H + 2 n_kv, D], queries and keys roped.
+    `normed` [B * T, d_model] is scratch a caller may keep between calls."""
+    batch, seq_len, d_model = x.shape
+    head_dim = cos.shape[-1]
+    normed = x.new_empty(batch * seq_len, d_model) if normed is None else normed
+    qkv = x.new_empty(batch, seq_len, n_heads + 2 * n_kv_heads, head_dim)  # [B, T, H + 2 n_kv, D]
+    GEMV_KERNEL.library().attention_input(
+        x.data_ptr(), norm_weight.data_ptr(), eps, wqkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), normed.data_ptr(),
+        qkv.data_ptr(), batch, seq_len, d_model, n_heads + 2 * n_kv_heads, n_heads + n_kv_heads, head_dim,
+        torch.get_num_threads())
+    return qkv
 
-    def rotate(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:  # x [B, T, heads, D] -> same, contiguous
-        batch, seq_len, heads, head_dim = x.shape
-        if not few_rows(x, heads * head_dim) or x.stride(-1) != 1:
-            return super().rotate(x, start_pos)
-        out = x.new_empty(x.shape)
-        GEMV_KERNEL.library().rope_rows(
-            x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), self.cos[start_pos].data_ptr(),
-            self.sin[start_pos].data_ptr(), out.data_ptr(), batch, seq_len, heads, head_dim)
-        return out
+
+def attention_output_and_ffn_(x: torch.Tensor, attention: torch.Tensor, wo: torch.Tensor, norm_weight: torch.Tensor,
+                              eps: float, w13: torch.Tensor, w2: torch.Tensor,
+                              scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """x += attention @ wo^T, then x += swiglu(rms_norm(x)) in one C call, in place on x [B, T, d_model]
+    (contiguous); attention [B, T, H, D] contiguous. `scratch`: normed [rows, d_model], gate_up
+    [rows, 2 ffn], hidden [rows, ffn], which a caller may keep between calls."""
+    rows, d_model = x.numel() // x.shape[-1], x.shape[-1]
+    ffn = w2.shape[1]
+    normed, gate_up, hidden = scratch or (x.new_empty(rows, d_model), x.new_empty(rows, 2 * ffn), x.new_empty(rows, ffn))
+    GEMV_KERNEL.library().attention_output_and_ffn(
+        attention.data_ptr(), wo.data_ptr(), x.data_ptr(), norm_weight.data_ptr(), eps, w13.data_ptr(), w2.data_ptr(),
+        normed.data_ptr(), gate_up.data_ptr(), hidden.data_ptr(), rows, d_model, wo.shape[1], ffn,
+        torch.get_num_threads())
 
 
-class GemvSwiGLU(nn.Module):
-    """The model's SwiGLU (its w13 and w2, GemvLinears by now): silu(gate) * up of few rows in one C call."""
+# The two halves as ops of a torch.compile graph, like harness::gemv (inductor keeps them as calls).
+_LIBRARY.define("attention_input(Tensor x, Tensor norm_weight, float eps, Tensor wqkv, Tensor cos, Tensor sin, "
+                "int n_heads, int n_kv_heads) -> Tensor")
+_LIBRARY.impl("attention_input", attention_input, "CompositeExplicitAutograd")
+_LIBRARY.define("attention_output_and_ffn_(Tensor(a!) x, Tensor attention, Tensor wo, Tensor norm_weight, float eps, "
+                "Tensor w13, Tensor w2) -> ()")
+_LIBRARY.impl("attention_output_and_ffn_", attention_output_and_ffn_, "CompositeExplicitAutograd")
 
-    def __init__(self, swiglu: nn.Module):
+
+@torch.library.register_fake("harness::attention_input")
+def _(x, norm_weight, eps, wqkv, cos, sin, n_heads, n_kv_heads) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n_heads + 2 * n_kv_heads, cos.shape[-1]))  # [B, T, H + 2 n_kv, D]
+
+
+@torch.library.register_fake("harness::attention_output_and_ffn_")
+def _(x, attention, wo, norm_weight, eps, w13, w2) -> None:
+    return None
+
+
+class GemvBlock(nn.Module):
+    """A decoder block (harness.model.decoder.Block, its modules and weights) whose few-row calls are two
+    C calls around the strategy's cache: what Block.forward computes, in the same order and in fp32.
+
+        qkv = rope(rms_norm(x) @ wqkv^T)                            attention_input
+        out = cache.attend(q, k, v)                                 the strategy, unchanged
+        x += out @ wo^T;  x += swiglu(rms_norm(x))                  attention_output_and_ffn_
+
+    Under torch.compile the two calls are the graph's ops harness::attention_input and
+    harness::attention_output_and_ffn_. Eager scratch (the normed rows, SwiGLU's gate/up and hidden
+    rows) is kept per row count between steps; the q/k/v tensor handed to the cache is new each call,
+    since a cache may keep what it is given.
+    """
+
+    def __init__(self, block: Block):
         super().__init__()
-        self.w13, self.w2 = swiglu.w13, swiglu.w2
+        self.block = block  # its modules: the weights, and the call for many rows
+        self.n_heads, self.n_kv_heads = block.attention.n_heads, block.attention.n_kv_heads
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., d_model] -> [..., d_model]
-        gate_up = self.w13(x)  # [..., 2 * ffn]: gate, then up
-        ffn = gate_up.shape[-1] // 2
-        if not few_rows(gate_up, 2 * ffn):
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.w2(F.silu(gate).mul_(up))
-        hidden = gate_up.new_empty((*gate_up.shape[:-1], ffn))  # [..., ffn]
-        GEMV_KERNEL.library().silu_mul_rows(gate_up.data_ptr(), hidden.data_ptr(), gate_up.numel() // (2 * ffn), ffn)
-        return self.w2(hidden)
+    def scratch(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """normed [rows, d_model], gate_up [rows, 2 ffn], hidden [rows, ffn] for eager calls of `rows` rows."""
+        if rows not in self._scratch:
+            ffn = self.block.feed_forward.w2.in_features
+            self._scratch[rows] = (like.new_empty(rows, like.shape[-1]), like.new_empty(rows, 2 * ffn),
+                                   like.new_empty(rows, ffn))
+        return self._scratch[rows]
+
+    def forward(self, x: torch.Tensor, rope: RotaryTable, cache, start_pos: int) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape  # x: [B, T, d_model], the residual stream, updated in place
+        if x.numel() > MAX_ROWS * d_model or not x.is_contiguous():
+            return self.block(x, rope, cache, start_pos)
+        block = self.block
+        attention, attention_norm, ffn_norm, feed_forward = block.attention, block.attention_norm, block.ffn_norm, block.feed_forward
+        cos, sin = rope.cos[start_pos : start_pos + seq_len], rope.sin[start_pos : start_pos + seq_len]  # [T, D]
+        weights = (ffn_norm.weight, ffn_norm.eps, feed_forward.w13.weight, feed_forward.w2.weight)
+        if torch.compiler.is_compiling():
+            qkv = torch.ops.harness.attention_input(x, attention_norm.weight, attention_norm.eps, attention.wqkv.weight,
+                                                    cos, sin, self.n_heads, self.n_kv_heads)
+        else:
+            normed, *_ = scratch = self.scratch(batch * seq_len, x)
+            qkv = attention_input(x, attention_norm.weight, attention_norm.eps, attention.wqkv.weight, cos, sin,
+                                  self.n_heads, self.n_kv_heads, normed)
+        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)  # [B, T, heads, D] each
+        out = cache.attend(q, k, v, start_pos).contiguous()  # [B, T, H, D]
+        if torch.compiler.is_compiling():
+            torch.ops.harness.attention_output_and_ffn_(x, out, attention.wo.weight, *weights)
+        else:
+            attention_output_and_ffn_(x, out, attention.wo.weight, *weights, scratch)
+        return x
 
 
 def use_gemv(model: nn.Module) -> int:
-    """Replace every nn.Linear of `model` by a GemvLinear, every RMSNorm by a GemvRMSNorm and every
-    SwiGLU by a GemvSwiGLU, over the same weights, and its RoPE by GemvRotaryTable; returns how many
-    linears."""
-    model.rotary = GemvRotaryTable
+    """Replace every nn.Linear of `model` by a GemvLinear and every RMSNorm by a GemvRMSNorm, over the
+    same weights, then wrap every decoder Block in a GemvBlock; returns how many linears."""
     linears = swap_modules(model, nn.Linear, GemvLinear)
     swap_modules(model, RMSNorm, GemvRMSNorm)
-    swap_modules(model, SwiGLU, GemvSwiGLU)  # after the linears: it keeps the GemvLinears it finds
+    swap_modules(model, Block, GemvBlock)  # after the others: the block's own modules are the C path's too
     return linears

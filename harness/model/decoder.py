@@ -119,12 +119,9 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
-    # The RoPE a session's tables apply (harness.model.cpu_gemv swaps in its C rotation for matmul=c).
-    rotary: type[RotaryTable] = RotaryTable
-
     def rotary_table(self, max_len: int) -> RotaryTable:
         c = self.cfg
-        return self.rotary(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
+        return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
 
     def forward(self, tokens: torch.Tensor, start_pos: int, caches: Sequence, rope: RotaryTable) -> torch.Tensor:
         """tokens [B, T] at positions start_pos.. -> logits [B, vocab] of the last position only.
