@@ -115,18 +115,20 @@ def few_rows(x: torch.Tensor, width: int) -> bool:
 
 
 def attention_input(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, n_heads: int, n_kv_heads: int, normed: torch.Tensor | None = None) -> torch.Tensor:
-    """rope(rms_norm(x) @ wqkv^T) in one C call: x [B, T, d_model] contiguous, cos/sin [T, D] (the
-    tables' rows of the tokens' positions) -> qkv [B, T, H + 2 n_kv, D], queries and keys roped.
+                    sin: torch.Tensor, start_pos: int, n_heads: int, n_kv_heads: int,
+                    normed: torch.Tensor | None = None) -> torch.Tensor:
+    """rope(rms_norm(x) @ wqkv^T) in one C call: x [B, T, d_model] contiguous at positions start_pos..,
+    cos/sin the RoPE tables [max_len, D] -> qkv [B, T, H + 2 n_kv, D], queries and keys roped.
     `normed` [B * T, d_model] is scratch a caller may keep between calls."""
     batch, seq_len, d_model = x.shape
     head_dim = cos.shape[-1]
     normed = x.new_empty(batch * seq_len, d_model) if normed is None else normed
     qkv = x.new_empty(batch, seq_len, n_heads + 2 * n_kv_heads, head_dim)  # [B, T, H + 2 n_kv, D]
+    table_offset = start_pos * head_dim * cos.element_size()  # bytes to the tables' row start_pos
     GEMV_KERNEL.library().attention_input(
-        x.data_ptr(), norm_weight.data_ptr(), eps, wqkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), normed.data_ptr(),
-        qkv.data_ptr(), batch, seq_len, d_model, n_heads + 2 * n_kv_heads, n_heads + n_kv_heads, head_dim,
-        torch.get_num_threads())
+        x.data_ptr(), norm_weight.data_ptr(), eps, wqkv.data_ptr(), cos.data_ptr() + table_offset,
+        sin.data_ptr() + table_offset, normed.data_ptr(), qkv.data_ptr(), batch, seq_len, d_model,
+        n_heads + 2 * n_kv_heads, n_heads + n_kv_heads, head_dim, torch.get_num_threads())
     return qkv
 
 
@@ -147,7 +149,7 @@ def attention_output_and_ffn_(x: torch.Tensor, attention: torch.Tensor, wo: torc
 
 # The two halves as ops of a torch.compile graph, like harness::gemv (inductor keeps them as calls).
 _LIBRARY.define("attention_input(Tensor x, Tensor norm_weight, float eps, Tensor wqkv, Tensor cos, Tensor sin, "
-                "int n_heads, int n_kv_heads) -> Tensor")
+                "SymInt start_pos, int n_heads, int n_kv_heads) -> Tensor")
 _LIBRARY.impl("attention_input", attention_input, "CompositeExplicitAutograd")
 _LIBRARY.define("attention_output_and_ffn_(Tensor(a!) x, Tensor attention, Tensor wo, Tensor norm_weight, float eps, "
                 "Tensor w13, Tensor w2) -> ()")
@@ -155,7 +157,7 @@ _LIBRARY.impl("attention_output_and_ffn_", attention_output_and_ffn_, "Composite
 
 
 @torch.library.register_fake("harness::attention_input")
-def _(x, norm_weight, eps, wqkv, cos, sin, n_heads, n_kv_heads) -> torch.Tensor:
+def _(x, norm_weight, eps, wqkv, cos, sin, start_pos, n_heads, n_kv_heads) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n_heads + 2 * n_kv_heads, cos.shape[-1]))  # [B, T, H + 2 n_kv, D]
 
 
@@ -181,13 +183,19 @@ class GemvBlock(nn.Module):
     def __init__(self, block: Block):
         super().__init__()
         self.block = block  # its modules: the weights, and the call for many rows
-        self.n_heads, self.n_kv_heads = block.attention.n_heads, block.attention.n_kv_heads
+        attention, norm, ffn_norm, feed_forward = block.attention, block.attention_norm, block.ffn_norm, block.feed_forward
+        self.heads = (attention.n_heads, attention.n_kv_heads)
+        # The calls' weights in a tuple (plain attributes: a step reads them without nn.Module's __getattr__,
+        # sixteen lookups a block measured ~12 us of its Python).
+        self.attention_weights = (norm.weight, norm.eps, attention.wqkv.weight)
+        self.output_and_ffn_weights = (attention.wo.weight, ffn_norm.weight, ffn_norm.eps, feed_forward.w13.weight,
+                                       feed_forward.w2.weight)
         self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def scratch(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """normed [rows, d_model], gate_up [rows, 2 ffn], hidden [rows, ffn] for eager calls of `rows` rows."""
         if rows not in self._scratch:
-            ffn = self.block.feed_forward.w2.in_features
+            ffn = self.output_and_ffn_weights[-1].shape[1]
             self._scratch[rows] = (like.new_empty(rows, like.shape[-1]), like.new_empty(rows, 2 * ffn),
                                    like.new_empty(rows, ffn))
         return self._scratch[rows]
@@ -196,23 +204,19 @@ class GemvBlock(nn.Module):
         batch, seq_len, d_model = x.shape  # x: [B, T, d_model], the residual stream, updated in place
         if x.numel() > MAX_ROWS * d_model or not x.is_contiguous():
             return self.block(x, rope, cache, start_pos)
-        block = self.block
-        attention, attention_norm, ffn_norm, feed_forward = block.attention, block.attention_norm, block.ffn_norm, block.feed_forward
-        cos, sin = rope.cos[start_pos : start_pos + seq_len], rope.sin[start_pos : start_pos + seq_len]  # [T, D]
-        weights = (ffn_norm.weight, ffn_norm.eps, feed_forward.w13.weight, feed_forward.w2.weight)
-        if torch.compiler.is_compiling():
-            qkv = torch.ops.harness.attention_input(x, attention_norm.weight, attention_norm.eps, attention.wqkv.weight,
-                                                    cos, sin, self.n_heads, self.n_kv_heads)
+        n_heads, n_kv_heads = self.heads
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            qkv = torch.ops.harness.attention_input(x, *self.attention_weights, rope.cos, rope.sin, start_pos, *self.heads)
         else:
-            normed, *_ = scratch = self.scratch(batch * seq_len, x)
-            qkv = attention_input(x, attention_norm.weight, attention_norm.eps, attention.wqkv.weight, cos, sin,
-                                  self.n_heads, self.n_kv_heads, normed)
-        q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)  # [B, T, heads, D] each
+            scratch = self.scratch(batch * seq_len, x)
+            qkv = attention_input(x, *self.attention_weights, rope.cos, rope.sin, start_pos, *self.heads, scratch[0])
+        q, k, v = qkv.split((n_heads, n_kv_heads, n_kv_heads), dim=2)  # [B, T, heads, D] each
         out = cache.attend(q, k, v, start_pos).contiguous()  # [B, T, H, D]
-        if torch.compiler.is_compiling():
-            torch.ops.harness.attention_output_and_ffn_(x, out, attention.wo.weight, *weights)
+        if compiling:
+            torch.ops.harness.attention_output_and_ffn_(x, out, *self.output_and_ffn_weights)
         else:
-            attention_output_and_ffn_(x, out, attention.wo.weight, *weights, scratch)
+            attention_output_and_ffn_(x, out, *self.output_and_ffn_weights, scratch)
         return x
 
 
