@@ -44,8 +44,8 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
     """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
 
     matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
-    `batch_hint` rows; matmul="c" runs them, the RMSNorms, RoPE and SwiGLU's activation through the
-    C small-batch kernels (harness.model.cpu_gemv).
+    `batch_hint` rows; matmul="c" runs them through the C small-batch kernel, each decoder block's few-row
+    calls as two C calls with its norms, RoPE, SwiGLU and residual adds (harness.model.cpu_gemv).
     The weights' values are unchanged.
     """
     with torch.device("meta"):

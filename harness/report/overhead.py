@@ -25,9 +25,11 @@ PAIR_HEADER = ["series", "batch", "ctx", "decode steps", "eager step", "compiled
 
 # What the gap usually is on a CPU, stated without numbers: the report measures only its size
 # (docs/performance.md profiles one step of cpu_small and splits it).
-CPU_CAUSES = ("On a CPU it is usually per-operator dispatch, the Python between operators, and small GEMVs "
-              "whose weight matrices are too small to reach the stream bandwidth the roof was calibrated with; "
-              "the table measures the size of the gap, not which of these it is.")
+CPU_CAUSES = ("On a CPU it is usually per-operator dispatch, the Python between operators, small GEMVs "
+              "whose weight matrices are too small to reach the stream bandwidth the roof was calibrated with, "
+              "and, on a machine that shares its memory bandwidth (a VM), a roof that is the best read of the "
+              "calibration while each step is a median: the bandwidth such a machine gives moves by tens of "
+              "percent within minutes. The table measures the size of the gap, not which of these it is.")
 GPU_CAUSES = ("On a GPU it is usually kernel launches and the host's Python between small kernels; the table "
               "measures the size of the gap, not which of these it is.")
 
