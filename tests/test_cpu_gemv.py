@@ -154,3 +154,20 @@ def test_matmul_c_wraps_every_block():
     assert all(isinstance(layer, cpu_gemv.GemvBlock) for layer in model.layers) and len(model.layers) == TINY.n_layers
     assert not any(type(m) is Block for m in model.layers)
     assert not any(isinstance(m, cpu_gemv.GemvBlock) for m in cpu_model(TINY, matmul="aten").modules())
+
+
+def test_a_compiled_step_calls_the_two_block_ops():
+    """Under torch.compile a block is the graph's two ops, not its modules' small operators."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from strategies.contiguous import ContiguousStrategy
+
+    with torch.inference_mode():
+        session = ContiguousStrategy().new_session(cpu_model(TINY, matmul="c"), 2, 16)
+        session.fill_random(4, torch.Generator().manual_seed(0))
+        graphs = EagerAndRecordGraphs()
+        torch.compile(session.step, backend=graphs, fullgraph=True)(torch.zeros(2, dtype=torch.int64))
+    code = graphs.graphs[0].code
+    assert code.count("harness.attention_input") == TINY.n_layers
+    assert code.count("harness.attention_output_and_ffn_") == TINY.n_layers
+    assert code.count("torch.rms_norm(") == 1  # the final norm's: the blocks' norms run inside their ops

@@ -14,8 +14,8 @@ cold, a few hundred microseconds where it takes a few warm, and each call from P
 before it read a byte (docs/performance.md, "small operators that run cold"). So a block of few rows
 is two C calls (GemvBlock): the RMSNorm, the qkv projection and RoPE; then, after the strategy's
 cache has attended, the output projection and its residual add, the second RMSNorm, SwiGLU and its
-residual add. Calls of more rows, and compiled graphs (which inductor fuses itself), run the block's
-own modules.
+residual add. Under torch.compile the two calls are ops of the graph; calls of more rows run the
+block's own modules.
 """
 from __future__ import annotations
 
