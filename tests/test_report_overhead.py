@@ -88,3 +88,21 @@ def test_no_groups_no_crash(tmp_path):
     blocks = overhead_section([], tmp_path)
     text = "\n".join(getattr(b, "text", "") for b in blocks)
     assert "No cached strategy" in text and "model=<model>" in text
+
+
+def test_a_roof_set_by_a_stream_is_set_beside_the_matrix_vector_read(tmp_path):
+    """Rows that recorded the calibration's best matrix-vector read below the roof: the report says how
+    much of each step that alone leaves unexplained; at the roof, that it set the roof."""
+    folder = write_results(tmp_path / "r", **{**POINTS, "row_roofs": True})
+    for path in sorted(folder.glob("*.parquet")):
+        row = pd.read_parquet(path).iloc[0].to_dict()
+        path.unlink()
+        write_row(folder, {**row, "roof_bandwidth_gemv_Bps": 0.6 * row["roof_bandwidth_Bps"]})
+    section = _section(build_report(folder, out_dir=tmp_path / "out").markdown.read_text(),
+                       "What the roofline does not explain")
+    assert "its best matrix-vector product, the kind of read a step makes, reached" in section
+    assert "would already leave 40% of its time unexplained" in section
+    table = load(folder)
+    table["roof_bandwidth_gemv_Bps"] = table["roof_bandwidth_Bps"]
+    text = "\n".join(getattr(b, "text", "") for b in overhead_section(groups_of(table), tmp_path))
+    assert "is the calibration's matrix-vector read" in text and "already leave" not in text

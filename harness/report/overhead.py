@@ -15,6 +15,7 @@ from harness.report import format as fmt
 from harness.report.document import Block, Heading, Paragraph, Table
 from harness.report.groups import Group, cached_rows, newest_per_point
 
+GEMV_TOLERANCE = 0.05  # a matrix-vector read within this of the roof counts as having set it
 EAGER, COMPILED = "none", "inductor"  # the values of the `compile` column (harness.config.validate)
 POINT = [SERIES, "batch", "ctx", "decode_tokens"]  # a point's identity within a group, compile mode aside
 
@@ -52,6 +53,22 @@ def unexplained(rows: pd.DataFrame) -> pd.DataFrame:
                         gap_s=(found["decode_step_s"] - found["analytic_decode_step_s"]).clip(lower=0.0))
 
 
+def _gemv_sentence(found: pd.DataFrame) -> str:
+    """What the calibration's matrix-vector products read beside the roof, where the rows recorded both:
+    a step is made of such products, so a roof set by a faster stream is a share no step can close."""
+    if "roof_bandwidth_gemv_Bps" not in found:
+        return ""
+    both = found.dropna(subset=["roof_bandwidth_Bps", "roof_bandwidth_gemv_Bps"])
+    if both.empty:
+        return ""
+    roof, gemv = both["roof_bandwidth_Bps"].median(), both["roof_bandwidth_gemv_Bps"].median()
+    if gemv >= roof * (1 - GEMV_TOLERANCE):
+        return f" The roof ({fmt.rate(roof, 'B/s')}) is the calibration's matrix-vector read, the kind of read a step makes."
+    return (f" The roof ({fmt.rate(roof, 'B/s')}) is the calibration's fastest read, a stream; its best matrix-vector "
+            f"product, the kind of read a step makes, reached {fmt.rate(gemv, 'B/s')}: a step reading its bytes at that "
+            f"rate would already leave {1 - gemv / roof:.0%} of its time unexplained.")
+
+
 def _unexplained_section(groups: list[Group]) -> list[Block]:
     out: list[Block] = [Heading("What the roofline does not explain"), Paragraph(
         "Per cached point: the measured step, the roofline time (max of FLOPs ÷ peak and bytes ÷ bandwidth) "
@@ -69,7 +86,7 @@ def _unexplained_section(groups: list[Group]) -> list[Block]:
                  f"{r['gap_s'] * 1e3:.3g} ms"] for _, r in found.iterrows()]
         out += [Heading(group.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]
         sentence = (f"Median unexplained share: {found['share'].median():.0%} of the step, over {len(found)} "
-                    f"point(s). {CPU_CAUSES if group.device == 'cpu' else GPU_CAUSES}")
+                    f"point(s). {CPU_CAUSES if group.device == 'cpu' else GPU_CAUSES}{_gemv_sentence(found)}")
         faster = int(found["faster"].sum())
         if faster:
             sentence += (f" {faster} row(s) ran faster than the roofline allows: their share is shown as 0, and "

@@ -59,7 +59,8 @@ def roof_columns(row: dict, roofs) -> dict:
     columns = dict.fromkeys(COLUMNS_BY_SOURCE["roofs"])
     if roofs is None:
         return columns
-    columns.update(roof_bandwidth_Bps=roofs.read_bandwidth_Bps, roof_flops=roofs.matmul_flops)
+    columns.update(roof_bandwidth_Bps=roofs.read_bandwidth_Bps, roof_flops=roofs.matmul_flops,
+                   roof_bandwidth_gemv_Bps=roofs.gemv_bandwidth_Bps)
     step_bytes, step_flops = row["bytes_per_step_model"], row["flops_per_step_model"]
     roof = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=roofs.read_bandwidth_Bps)
     columns["roof_bound"] = analytic.bound(step_flops, step_bytes, roof)

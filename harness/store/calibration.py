@@ -40,6 +40,14 @@ class Calibration:
     # matmul=auto runs on a CPU in fp32; None where it cannot run, or a record from before it was measured.
     read_bandwidth_c_gemv_Bps: Optional[float] = None
 
+    @property
+    def gemv_bandwidth_Bps(self) -> float:
+        """The best matrix-vector read of the record (aten, oneDNN packed, the C linear): what a decode
+        step's weight reads, which are matrix-vector products, can reach on this machine. Below the roof
+        where a stream (the full reduction) set it."""
+        return max(rate for rate in (self.read_bandwidth_gemv_Bps, self.read_bandwidth_packed_gemv_Bps,
+                                     self.read_bandwidth_c_gemv_Bps) if rate)
+
 
 def host_slug(hostname: str | None = None) -> str:
     """The host's name as it may appear in a file name (anything else becomes '-')."""

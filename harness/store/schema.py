@@ -115,6 +115,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     # roofs (calibration)
     ("roof_bandwidth_Bps", F, "B/s", "read bandwidth calibrated on this device and dtype; null if not calibrated", "roofs"),
     ("roof_flops", F, "FLOP/s", "matmul rate calibrated on this device and dtype; null if not calibrated", "roofs"),
+    ("roof_bandwidth_gemv_Bps", F, "B/s", "the same calibration's best matrix-vector read (what a decode step's weight reads can reach); below roof_bandwidth_Bps where a stream set the roof", "roofs"),
     ("roof_bound", S, "", "the roof that binds the step at the calibrated roofs: memory or compute", "roofs"),
     ("bandwidth_fraction", F, "", "share of the read roof reached: bytes_per_step_model / decode_step_s / roof_bandwidth_Bps", "roofs"),
     ("flops_fraction", F, "", "share of the FLOP roof reached: flops_per_step_model / decode_step_s / roof_flops", "roofs"),
