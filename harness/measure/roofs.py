@@ -19,7 +19,7 @@ import time
 from datetime import datetime, timezone
 
 from harness.measure.contention import CpuTimes, others_fraction
-from harness.store.calibration import Calibration
+from harness.store.calibration import Calibration, best_gemv
 
 REPEATS = 10
 READ_BYTES = {"cpu": 1 << 30, "cuda": 4 << 30}  # data streamed per read kernel
@@ -73,7 +73,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
         device_name=device_name(device),
         hostname=socket.gethostname(),
         dtype=dtype_name,
-        read_bandwidth_Bps=max(sum_bw, gemv_bw, packed_bw or 0.0, c_bw or 0.0),
+        read_bandwidth_Bps=max(sum_bw, best_gemv(gemv_bw, packed_bw, c_bw)),
         read_bandwidth_sum_Bps=sum_bw,
         read_bandwidth_gemv_Bps=gemv_bw,
         read_bandwidth_packed_gemv_Bps=packed_bw,

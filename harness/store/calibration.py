@@ -45,8 +45,13 @@ class Calibration:
         """The best matrix-vector read of the record (aten, oneDNN packed, the C linear): what a decode
         step's weight reads, which are matrix-vector products, can reach on this machine. Below the roof
         where a stream (the full reduction) set it."""
-        return max(rate for rate in (self.read_bandwidth_gemv_Bps, self.read_bandwidth_packed_gemv_Bps,
-                                     self.read_bandwidth_c_gemv_Bps) if rate)
+        return best_gemv(self.read_bandwidth_gemv_Bps, self.read_bandwidth_packed_gemv_Bps,
+                         self.read_bandwidth_c_gemv_Bps)
+
+
+def best_gemv(aten: float, packed: Optional[float], c: Optional[float]) -> float:
+    """The fastest of the matrix-vector reads measured (packed and c: None where they did not run)."""
+    return max(rate for rate in (aten, packed, c) if rate)
 
 
 def host_slug(hostname: str | None = None) -> str:
