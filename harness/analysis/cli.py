@@ -30,7 +30,7 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import (bounded_tree, class_path, one_of, positive_float, safe_name,
+from harness.config.validate import (bounded_tree, one_of, positive_float, safe_name, target_class,
                                      validate_workload)
 
 CONF_DIR = config_dir()
@@ -125,17 +125,13 @@ def _fields(parent: str) -> list[str]:
 
 
 def cache_layout(strategy, shape):
-    """The layout of the configured strategy for `shape` (the class is imported by its `_target_`, as
-    Hydra would)."""
-    from hydra.utils import get_class
-
+    """The layout of the configured strategy for `shape` (the class imported from its `_target_`)."""
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
-        class_path("strategy._target_", strategy.get("_target_"))  # one line, not Hydra's logged three
-        return get_class(strategy["_target_"])(**options).cache_layout(shape)
+        return target_class("strategy._target_", strategy.get("_target_"))(**options).cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
-    except Exception as error:  # a bad _target_: ImportError, AttributeError, TypeError for an unknown option
+    except Exception as error:  # the class refused its options: TypeError for an unknown one, its own checks
         raise UsageError(f"strategy: {str(error).splitlines()[0]}") from None
 
 

@@ -33,9 +33,9 @@ class StrategyChoice:
 
     def instantiate(self):
         """The strategy object (imports strategies/ only when called)."""
-        from hydra.utils import get_class
+        from harness.config.validate import target_class
 
-        return get_class(self.strategy_class)(backend=self.backend, **self.strategy_options)
+        return target_class("strategy_class", self.strategy_class)(backend=self.backend, **self.strategy_options)
 
 
 @dataclass(frozen=True)

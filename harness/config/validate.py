@@ -3,7 +3,7 @@
 Types and unknown keys are enforced by the schemas (harness.config.schema) while Hydra composes; this
 module checks values: known names, sizes that are positive and fit a 64-bit integer, shapes that can
 exist, modes that fit the device, every number of the whole tree bounded (`bounded_tree`: integers
-fit int64, floats are finite, strategy options included), a `_target_` that imports (`class_path`),
+fit int64, floats are finite, strategy options included), a `_target_` that imports (`target_class`),
 and the folders a tool reads (`input_folder`) or writes (`output_folder`). The runner, the analytic
 CLI and the report call the same functions. Every failure is a ConfigError naming the key and what
 is allowed. A strategy checks its own options (strategies.base.Strategy); this module knows no
@@ -15,7 +15,7 @@ import importlib
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -88,9 +88,12 @@ def bounded_tree(tree: Any, prefix: str = "") -> None:
         raise ConfigError(prefix or "config", f"must be a finite number, got {tree!r}")
 
 
-def class_path(key: str, target: Any) -> type:
-    """The class a `_target_` names (`package.module.Class`), imported; ConfigError in one line when it
-    is not one. (Hydra's own get_class logs a three-line error before raising.)"""
+def target_class(key: str, target: Any, base: Optional[type] = None) -> type:
+    """The class a `_target_` names (`package.module.Class`), imported: the one place such a path
+    becomes a class (the checks, the strategy catalog, a point's `instantiate`, the analytic CLI).
+    ConfigError in one line on `key` when it is not an import path, does not import, names no class, or
+    (with `base`) names a class that is not a subclass of `base`. (Hydra's own get_class logs a
+    three-line error before raising.)"""
     text = str(target) if target is not None else ""
     module_name, _, attribute = text.rpartition(".")
     parts = text.split(".")
@@ -103,6 +106,8 @@ def class_path(key: str, target: Any) -> type:
     found = getattr(module, attribute, None)
     if not isinstance(found, type):
         raise ConfigError(key, f"cannot import {text!r}: module {module_name!r} has no class {attribute!r}")
+    if base is not None and not issubclass(found, base):
+        raise ConfigError(key, f"{text!r} is not a {base.__module__}.{base.__qualname__} subclass")
     return found
 
 
@@ -233,7 +238,7 @@ def validate_run(cfg, cuda_available) -> None:
     strategy = cfg.strategy
     if "_target_" not in strategy:
         raise ConfigError("strategy", "no _target_: pick an option of conf/strategy/ (strategy=<name>)")
-    class_path("strategy._target_", strategy["_target_"])
+    target_class("strategy._target_", strategy["_target_"])
     bounded_tree(_plain(cfg))  # what no check above names: the strategy's options, any other number
 
     device = cfg.device

@@ -16,6 +16,7 @@ import yaml
 
 from harness.config import ConfigError
 from harness.config.paths import config_dir
+from harness.config.validate import target_class
 
 SEARCHPATH_ENV = "HARNESS_SEARCHPATH"
 
@@ -36,18 +37,10 @@ def strategy_targets(extra_dirs: Iterable[Path] = ()) -> dict[str, str]:
 
 
 def strategy_class(target: str, option: str = "strategy"):
-    """The class a `_target_` names, or ConfigError naming the key."""
-    from hydra.utils import get_class
-
+    """The Strategy subclass a `_target_` names, or ConfigError naming the key."""
     from strategies.base import Strategy
 
-    try:
-        found = get_class(target)
-    except Exception as error:  # ImportError, AttributeError, ValueError: all mean a bad path
-        raise ConfigError(f"{option}._target_", f"cannot import {target!r}: {str(error).splitlines()[0]}") from None
-    if not (isinstance(found, type) and issubclass(found, Strategy)):
-        raise ConfigError(f"{option}._target_", f"{target!r} is not a strategies.base.Strategy subclass")
-    return found
+    return target_class(f"{option}._target_", target, base=Strategy)
 
 
 def strategy_catalog(extra_dirs: Iterable[Path] = ()) -> dict:
