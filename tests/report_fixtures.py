@@ -22,7 +22,7 @@ from harness.store.files import write_row
 SHAPE = ModelConfig(name="cpu_small", vocab_size=32000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,
                     ffn_dim=1536, head_dim=64)
 DTYPE = "float32"
-CPU_ROOF = analytic.Roof(flops_per_s=0.23e12, bytes_per_s=19.6e9)  # a 2-core CPU's measured figures
+CPU_ROOF = analytic.Roof(flops_per_s=0.23e12, bytes_per_s=19.6e9)  # an example: a 2-core CPU VM's calibrated roofs
 DECODE_TOKENS = 8
 SLOWDOWN = {"contiguous": 2.0, "no_cache": 1.5}  # measured / roofline, so tests know the ratio to expect
 

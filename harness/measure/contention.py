@@ -1,7 +1,7 @@
 """How much of the machine others took while a point was timed, and when a row's numbers are noise.
 
-On a shared 2-core machine one other busy process turned a 1 ms decode step into 100 ms: a point's
-OpenMP threads wait at every barrier for the one the other process displaced. So every point reads
+On a shared machine with as many threads as cores, one other busy process can make a decode step many
+times slower: a point's OpenMP threads wait at every barrier for the one the other process displaced. So every point reads
 /proc/stat (all processes' busy time, steal included) and its own CPU time around its timed steps:
 `contention` is the share of all cores' time that others took. On CUDA, NVML (nvidia-ml-py, where
 installed) adds the other processes on the point's GPU, its SM clock and its throttle reasons.
@@ -17,9 +17,9 @@ import os
 import time
 from dataclasses import dataclass
 
-# Measured here: an idle 2-core VM shows 0-3% others (the hypervisor's steal included); a single busy
-# process on the other core shows 40-50%, and timings moved by 2-100x. 10% leaves the idle machine's
-# jitter clean and flags anything that competes for a core.
+# An idle VM shows a few percent of others (the hypervisor's steal included); one busy process on a
+# second core of two shows about half. 10% leaves an idle machine's jitter clean and flags anything
+# that competes for a core.
 CONTENTION_LIMIT = 0.10
 # /proc/stat counts in clock ticks (10 ms): over a few milliseconds of steps it reads 0 whatever runs
 # beside them. A window this long resolves a few percent of two cores.

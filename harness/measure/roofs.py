@@ -1,7 +1,7 @@
 """The calibration kernels: the read bandwidth decode sees and the matmul rate, per device and dtype.
 
-Bandwidth: the best of the read-dominated kernels over data several times the last-level cache (L3
-is 32-105 MiB on the CPUs here, L2 at most 60 MB on H100/H200): a full reduction (a pure stream), a
+Bandwidth: the best of the read-dominated kernels over data several times the last-level cache (a
+server CPU's L3 is tens of MiB to about 100 MiB, an H100/H200's L2 at most 60 MB): a full reduction (a pure stream), a
 matrix-vector product (what a decode step's weight reads are), and on a CPU the same product through
 the harness's own linear kernels where they run: oneDNN's packed linear, and in fp32 the C small-batch
 linear (harness.model.cpu_gemv), which reads in interleaved streams faster than aten's sgemv. A roof
@@ -41,31 +41,20 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
     device_type, dtype_name, budget_s = request
     device, dtype = torch.device(device_type), getattr(torch, dtype_name)
     timer = StepTimer(device)
-    share = budget_s / KERNELS
-    repeats: list[int] = []
-
-    def best_seconds(kernel) -> float:
-        """Warm up once, then up to REPEATS timed runs, stopping when the kernel's share is spent."""
-        start = time.monotonic()
-        kernel()
-        times = [timer.time(kernel)[1]]
-        while len(times) < REPEATS and time.monotonic() - start < share:
-            times.append(timer.time(kernel)[1])
-        repeats.append(len(times))
-        return min(times)
+    best = _BestOf(timer, budget_s / KERNELS)
 
     began = CpuTimes.now()
     read_bytes = READ_BYTES[device_type]
-    sum_bw = _reduction_rate(read_bytes, device, dtype, best_seconds)
+    sum_bw = _reduction_rate(read_bytes, device, dtype, best.seconds)
     with_packed = device_type == "cpu" and onednn_supports(dtype_name)
     with_c = device_type == "cpu" and dtype_name == "float32" and cpu_gemv.unavailable() is None
-    gemv_bw, packed_bw, c_bw = _gemv_rates(read_bytes // 2, device, dtype, best_seconds, with_packed, with_c)
-    read_repeats = list(repeats)
+    gemv_bw, packed_bw, c_bw = _gemv_rates(read_bytes // 2, device, dtype, best.seconds, with_packed, with_c)
+    read_repeats = list(best.repeats)
 
     full_n = MATMUL_N[device_type]
-    n = _gemm_size(full_n, share, device, dtype, timer)
+    n = _gemm_size(full_n, best.share, device, dtype, timer)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))  # [n, n] each
-    flops = 2 * n**3 / best_seconds(lambda: a @ b)
+    flops = 2 * n**3 / best.seconds(lambda: a @ b)
     contention = others_fraction(began, CpuTimes.now())
     shrunk = f" (shrunk from {full_n} to fit the budget)" if n < full_n else ""
     return Calibration(
@@ -82,13 +71,32 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
         contention=contention,
         read_bandwidth_c_gemv_Bps=c_bw,
         method=(
-            f"best of up to {REPEATS} after a warm-up, each kernel stopping after {share:.3g} s of a "
+            f"best of up to {REPEATS} after a warm-up, each kernel stopping after {best.share:.3g} s of a "
             f"{budget_s:.3g} s budget (timed runs: read kernels {'/'.join(map(str, read_repeats))}, GEMM "
-            f"{repeats[-1]}); bandwidth: max(sum over {read_bytes >> 20} MiB, mv over a {read_bytes >> 21} MiB "
+            f"{best.repeats[-1]}); bandwidth: max(sum over {read_bytes >> 20} MiB, mv over a {read_bytes >> 21} MiB "
             f"matrix, the same through oneDNN's packed linear and the C linear where they run); matmul: {n}x{n}x{n} GEMM"
             f"{shrunk}, {dtype_name}"
         ),
     )
+
+
+class _BestOf:
+    """Times a kernel: a warm-up, then up to REPEATS timed runs until its `share` of the budget is
+    spent; the best time stands. `repeats` records the timed runs of each kernel in order."""
+
+    def __init__(self, timer, share: float):
+        self.timer = timer
+        self.share = share  # seconds each kernel may take
+        self.repeats: list[int] = []
+
+    def seconds(self, kernel) -> float:
+        start = time.monotonic()
+        kernel()
+        times = [self.timer.time(kernel)[1]]
+        while len(times) < REPEATS and time.monotonic() - start < self.share:
+            times.append(self.timer.time(kernel)[1])
+        self.repeats.append(len(times))
+        return min(times)
 
 
 def _gemm_size(full_n: int, share: float, device, dtype, timer) -> int:

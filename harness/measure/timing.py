@@ -17,7 +17,8 @@ class StepTimer:
     def __init__(self, device: torch.device, cold_cache: bool = False):
         self.device = device
         # Evicting the cache outside the timed window makes every step read its bytes from DRAM
-        # (triton's do_bench does the same with a 256 MB buffer on GPUs; the CPU's L3 here is 105 MiB).
+        # (triton's do_bench does the same with a 256 MB buffer on GPUs); 256 MiB is several times a
+        # CPU's last-level cache.
         self.flush_buffer = torch.empty(64 * 2**20, dtype=torch.float32, device=device) if cold_cache else None
         clock = "CUDA events" if device.type == "cuda" else "perf_counter"
         self.method = clock + (", cache flushed before each step" if cold_cache else "")  # recorded in every row

@@ -1,8 +1,8 @@
 """Seeded random fill of large tensors, fast enough that building a model is not most of a point's time.
 
-torch fills a CPU tensor from a generator on one thread: `normal_` ran at ~45 M values/s on the 2-core
-EPYC here, so the 8B width at depth 1 (1.27 G parameters) took 29 s to initialise against ~2 s to time
-its decode steps. This module draws uniform values (4x cheaper per value than normal ones) and splits
+torch fills a CPU tensor from a generator on one thread, so at the 8B width (1.27 G parameters at
+depth 1) building the model would take many times longer than timing its decode steps. This
+module draws uniform values of the same standard deviation (cheaper per value than normal ones) and splits
 the tensor into pieces filled on all cores, each piece from its own generator seeded by the parent
 generator in a fixed order: the values depend on the seed, the tensor's shape and layout and
 PIECE_ELEMENTS, never on the thread count or the order the threads finish in.

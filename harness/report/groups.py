@@ -14,8 +14,8 @@ from harness.analysis.analytic import Roof
 from harness.config import ModelConfig
 from harness.analysis.results import SERIES, layout_of, shape_of
 
-# The linear-layer kernel is a measurement condition like the dtype: aten and oneDNN rows of the same
-# point differ by 2-7x on a CPU, so they are never drawn as one strategy's points.
+# The linear-layer kernel is a measurement condition like the dtype: aten, oneDNN and C rows of the same
+# point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
 # A group is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
 # drawn on one axis, each group has its own roofs.
 GROUP_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]

@@ -24,8 +24,7 @@ UNEXPLAINED_HEADER = ["series", "compile", "batch", "ctx", "step measured", "ste
 PAIR_HEADER = ["series", "batch", "ctx", "decode steps", "eager step", "compiled step", "speedup", "compile_s",
                "recompiles"]
 
-# What the gap usually is on a CPU, stated without numbers: the report measures only its size
-# (docs/performance.md profiles one step of cpu_small and splits it).
+# What the gap usually is on a CPU, stated without numbers: the report measures only its size.
 CPU_CAUSES = ("On a CPU it is usually per-operator dispatch, the Python between operators, small GEMVs "
               "whose weight matrices are too small to reach the stream bandwidth the roof was calibrated with, "
               "and, on a machine that shares its memory bandwidth (a VM), a roof that is the best read of the "

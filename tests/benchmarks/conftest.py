@@ -5,7 +5,7 @@ Two small points, each a decode step a 2-core CPU times in milliseconds:
 - heavy: a cache-dominated step (batch 16, 2048 cached tokens: the cache is ~8x the weights read),
   filled with random K/V (session.fill_random) so no prompt runs. no_cache runs at the light point
   only: at the heavy point one recompute step would be ~2 TFLOP.
-Both move more bytes than the L3 (32 MiB on the EPYC hosts here, 105 MiB on Sapphire Rapids hosts).
+Both move more bytes than a CPU's L3 (tens of MiB; about 100 MiB on the largest server parts).
 """
 from __future__ import annotations
 
@@ -73,14 +73,14 @@ def model_for():
 
 @pytest.fixture(scope="session")
 def roof() -> dict:
-    """Roofs measured by this session's control and matmul benchmarks (they run first): filled by them,
+    """Roofs measured by this pytest run's control and matmul benchmarks (they run first): filled by them,
     read by later benchmarks to record their analytic prediction next to their time."""
     return {}
 
 
 class MemoryControl:
-    """The control: one row vector through 64 fixed 1024x1024 fp32 matrices (256 MiB, beyond any L3
-    here), i.e. the weight reads of a batch-1 decode step without the model. Memory bound and made of
+    """The control: one row vector through 64 fixed 1024x1024 fp32 matrices (256 MiB, beyond a CPU's
+    L3), i.e. the weight reads of a batch-1 decode step without the model. Memory bound and made of
     many short parallel regions, like the cached decode steps, so machine noise hits it as it hits
     them; and it uses no project code, so no change to the harness can move it."""
 
@@ -102,8 +102,8 @@ class MemoryControl:
 class ComputeControl:
     """The compute-bound counterpart: an fp32 1024^3 GEMM (2.1 GFLOP on 12 MiB). Compute-bound steps
     (no_cache's recompute, the prefill) are slowed by what slows arithmetic (a busy SMT sibling on the
-    host, a lower clock) more than by what slows memory: measured here, they shifted by 1.5x within a
-    run while the memory control did not move."""
+    host, a lower clock) more than by what slows memory, which can shift them within a run while the
+    memory control does not move."""
 
     kind = "compute"
 
@@ -119,9 +119,10 @@ class ComputeControl:
         torch.mm(self.a, self.b)
 
 
-# FLOPs per byte above which a benchmark is interleaved with the compute control: the ridge of the
-# CPUs here (~0.23 TFLOP/s over ~19.6 GB/s: ~12). The suite's benchmarks sit far from it on
-# either side (cached steps ~0.5-1.5, no_cache and prefill ~50-100), so the choice never flips.
+# FLOPs per byte above which a benchmark is interleaved with the compute control: about the fp32 ridge
+# of a small server CPU (for example tests/report_fixtures.py's CPU_ROOF: 0.23 TFLOP/s over 19.6 GB/s,
+# ~12). The suite's benchmarks sit far from it on either side (cached steps ~0.5-1.5, no_cache and
+# prefill ~50-100), so the choice never flips.
 CONTROL_RIDGE = 12.0
 
 
@@ -214,6 +215,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     }
     machine_info["torch_threads"] = torch.get_num_threads()
     machine_info["harness_matmul"] = MATMUL
-    # contiguous's attention kernel here: the C kernel where it builds, SDPA otherwise (1.3x apart at the
+    # contiguous's attention kernel here: the C kernel where it builds, SDPA otherwise (far apart at the
     # heavy point), so a baseline of one is no yardstick for the other.
     machine_info["harness_attention"] = ContiguousStrategy().kernel(torch.device("cpu"), DTYPE, HEAVY_MODEL)

@@ -1,6 +1,5 @@
 """How close the default model's cached step comes to its roofline, eager and compiled, measured in one
-run: the calibration kernels and the steps in the same process (docs/performance.md, 'Where a
-cpu_small step goes').
+run: the calibration kernels and the steps in the same process (docs/performance.md, 'Method').
 
 cpu_small contiguous at batch 1 and 4, 256 and 1024 cached tokens (random K/V), its step eager and
 through torch.compile (compile=inductor, harness.measure.compiled), timed in interleaved rounds. Targets:
@@ -9,7 +8,7 @@ roofline time / step time >= 0.6 eager and >= 0.8 compiled.
 Which roof: the calibration's read kernels (harness.measure.roofs: the C matrix-vector product and a
 full reduction, each over 512 MiB) run in the same rounds as the steps, and the faster one's median
 read rate is the roof the targets are judged at. On a VM whose memory bandwidth swings with its
-neighbours (25 to 50 GB/s within minutes on the 2-core EPYC here), a best-of calibration taken a few
+neighbours (it can move by half within minutes on a shared VM), a best-of calibration taken a few
 seconds earlier can catch a burst the steps never see; a roof read in the same rounds sees what they
 see. The best-of calibration's fractions (what a run's rows record) are printed beside them, and so
 is the ceiling the step's own kernels set: its weight matrices read one C call after another with

@@ -4,13 +4,13 @@
 at batch=1 ctx=1024 and at batch=32 ctx=4096 prefill=random. Each point runs through
 `python -m harness.run` exactly as a user would (calibration, its own process, median of 16 timed
 steps) for REPEATS seeds; the median of their fractions is judged, since single runs on a shared VM
-move by +-0.15 (docs/performance.md).
+move by tens of percent (docs/performance.md, 'Method').
 
 A step that is compute bound at the roofs calibrated in the same run cannot reach a bandwidth fraction
 above ridge / intensity whatever the code does; where that ceiling is below the target the test
 xfails with the ceiling and the fraction of the binding roof it reached, both computed from the rows.
-About 4 minutes on the 2-core CI machine; excluded from CI (`-m target` is opt-in) because it needs
-~11 GB of memory and its b=1 verdict sits within the VM's noise of the target.
+Minutes on a 2-core CPU; excluded from CI (`-m target` is opt-in) because it needs ~11 GB of memory
+and its b=1 verdict can sit within a shared VM's noise of the target.
 """
 from __future__ import annotations
 
