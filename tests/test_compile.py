@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from harness.config import ConfigError
-from harness.measure.point import measure_point
+from harness.measure.group import measure_point
 from tests.conftest import planned_point
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")

@@ -12,7 +12,7 @@ import torch
 
 from harness.config import TimingConfig
 from harness.measure.graphs import GraphedSteps
-from harness.measure.point import measure_point
+from harness.measure.group import measure_point
 from harness.model import build_model
 from harness.measure.timing import StepTimer
 from strategies import StrategyUnavailable

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis.results import SERIES, add_series
-from harness.measure.point import measure_point
+from harness.measure.group import measure_point
 from harness.run.isolation import run_isolated
 from harness.run.row import build_row
 from tests.conftest import planned_point, run_cli

@@ -172,7 +172,7 @@ def test_point_survives_the_json_round_trip():
 
 @pytest.mark.parametrize("prefill", ["compute", "random"])
 def test_target_generates_the_tokens_measure_point_timed(prefill):
-    from harness.measure.point import measure_point
+    from harness.measure.group import measure_point
 
     point = tiny_point(prefill=prefill)
     assert run_decode_steps(point).tolist() == measure_point(point)["tokens"]

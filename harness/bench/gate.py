@@ -98,10 +98,12 @@ def one_with_role(run: dict[str, Bench], role: str) -> Bench:
 
 
 def ratios(run: dict[str, Bench]) -> dict[str, float]:
-    """Each gated benchmark's median divided by the control's median: the control's runs interleaved
-    with the benchmark's rounds (extra_info control_median_s) where recorded, else the control benchmark's."""
+    """Each gated benchmark's time over the control's: the median of its per-round ratios to the control
+    run right before each round (extra_info control_ratio, the paired ratio of
+    harness.measure.intervals) where recorded; else its median over the control's median, interleaved
+    (control_median_s) or the control benchmark's."""
     control = one_with_role(run, "control")
-    return {b.name: b.median / b.extra.get("control_median_s", control.median)
+    return {b.name: b.extra.get("control_ratio") or b.median / b.extra.get("control_median_s", control.median)
             for b in run.values() if b.extra.get("role") in GATED_ROLES}
 
 

@@ -30,13 +30,21 @@ class PeakTracker:
     """Peak memory of the work done between `start()` and `read()` on one device."""
 
     device: torch.device
-    baseline_bytes: int = 0  # CPU: resident set before the point allocated anything
+    baseline_bytes: int = 0  # resident set (CPU) or allocated bytes (CUDA) when the tracked work began
 
     def start(self) -> None:
-        """Take the baseline (nothing of the point allocated yet) and reset the peak."""
-        if self.device.type == "cpu":
-            self.baseline_bytes = _proc_status()["VmRSS"]
+        """Take the baseline (nothing of the tracked work allocated yet) and reset the peak."""
+        self.baseline_bytes = self._held_now()
         self.reset_peak()
+
+    def _held_now(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _proc_status()["VmRSS"]
+
+    def held_bytes(self) -> int:
+        """Bytes held now above the baseline: what the tracked work keeps (a built model's weights)."""
+        return self._held_now() - self.baseline_bytes
 
     def reset_peak(self) -> None:
         """Forget the peak so far, keep the baseline. Called again once the model is built, so that
@@ -53,12 +61,12 @@ class PeakTracker:
             pass  # the process is fresh anyway; the peak then includes the runtime's own start-up
 
     def read(self) -> dict[str, int | None]:
-        """peak_memory_bytes: bytes the point held at its peak (CPU: resident set above the baseline;
-        CUDA: allocated tensors). peak_memory_reserved_bytes: CUDA allocator's reserve, None on CPU."""
+        """peak_memory_bytes: bytes the tracked work held at its peak above the baseline (CPU: resident
+        set; CUDA: allocated tensors). peak_memory_reserved_bytes: CUDA allocator's reserve, None on CPU."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return {
-                "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device),
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) - self.baseline_bytes,
                 "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
                 "process_baseline_bytes": None,
             }

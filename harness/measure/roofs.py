@@ -122,22 +122,57 @@ def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
     return stream.nbytes / best_seconds(lambda: stream.sum())
 
 
+PROBE_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}  # a group's in-round read: 8x a 32 MiB L3, 16x an H200's L2
+
+
+class GemvRead:
+    """One matrix-vector read kernel over an `nbytes` matrix of ones: the kernel the calibration times
+    and a group interleaves with its steps (harness.measure.group), so both read the same way."""
+
+    def __init__(self, kernel: str, nbytes: int, device, dtype):
+        import torch
+
+        from harness.model.cpu_gemv import gemv
+
+        rows = 8192
+        cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
+        matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
+        vector = torch.ones(cols, device=device, dtype=dtype)  # [C]
+        row = vector[None, :]  # [1, C]
+        self.kernel, self.nbytes = kernel, matrix.nbytes
+        if kernel == "aten":
+            self.run = lambda: torch.mv(matrix, vector)
+        elif kernel == "c":
+            self.run = lambda: gemv(row, matrix)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
+            self.run = lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")
+
+    def __call__(self) -> None:
+        self.run()
+
+
+def gemv_kernels(device_type: str, dtype_name: str) -> tuple[str, ...]:
+    """The matrix-vector kernels that run on this device and dtype."""
+    from harness.model import cpu_gemv
+    from harness.model.cpu_linear import onednn_supports
+
+    on_cpu = device_type == "cpu"
+    return tuple(kernel for kernel, runs in (
+        ("aten", True),
+        ("packed", on_cpu and onednn_supports(dtype_name)),
+        ("c", on_cpu and dtype_name == "float32" and cpu_gemv.unavailable() is None),
+    ) if runs)
+
+
 def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool,
                 with_c: bool) -> tuple[float, float | None, float | None]:
     """Bytes/s of a matrix-vector product over an `nbytes` matrix: aten's, oneDNN's packed one (None
-    unless `with_packed`) and the C linear's (None unless `with_c`). The matrices are freed on return."""
-    import torch
-
-    from harness.model.cpu_gemv import gemv
-
-    rows = 8192
-    cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
-    matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
-    vector = torch.ones(cols, device=device, dtype=dtype)  # [C]
-    aten = matrix.nbytes / best_seconds(lambda: torch.mv(matrix, vector))
-    row = vector[None, :]  # [1, C]
-    c = matrix.nbytes / best_seconds(lambda: gemv(row, matrix)) if with_c else None
-    if not with_packed:
-        return aten, None, c
-    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
-    return aten, matrix.nbytes / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")), c
+    unless `with_packed`) and the C linear's (None unless `with_c`). Each matrix is freed before the next."""
+    rates = {}
+    for kernel, runs in (("aten", True), ("c", with_c), ("packed", with_packed)):
+        if runs:
+            read = GemvRead(kernel, nbytes, device, dtype)
+            rates[kernel] = read.nbytes / best_seconds(read)
+            del read
+    return rates["aten"], rates.get("packed"), rates.get("c")

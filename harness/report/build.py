@@ -18,6 +18,7 @@ from harness.report.html import to_html
 from harness.report.layouts import layout_section
 from harness.report.overhead import overhead_section
 from harness.report.summary import memory_split, summary_table
+from harness.report.verdicts import resolution_paragraph
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
@@ -50,7 +51,7 @@ def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
                         Paragraph(f"Roof: {group.roof_description}.")]
     figures = [
         (plots.step_time_vs_context(group, folder),
-         "Decode step time against context. Dots: measured medians (bars p10–p90); lines: the roofline "
+         "Decode step time against context. Dots: measured medians (bars: their 95% interval over rounds); lines: the roofline "
          "prediction per strategy. The gap between a dot and its line is what the roofline does not model.",
          "No ok row with a decode time."),
         (plots.no_cache_over_cache(group, folder),
@@ -115,11 +116,15 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
     groups = groups_of(table)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
+    verdicts: list = []
     blocks += [Heading("This machine, point by point"), Paragraph(
-        "One line per measured point (and linear kernel, `matmul`): the fastest strategy there and its step, the roof that binds it and "
-        "the share of that roof reached; what the plain cache saved against recomputing everything, in time "
+        "One line per measured point (and linear kernel, `matmul`): the verdict there, naming the fastest "
+        "strategy only where its 95% interval clears the next one's (else the strategies tied within the "
+        "intervals), and the fastest step with its interval; the roof that binds it and the share of that "
+        "roof reached; what the plain cache saved against recomputing everything, in time (its interval) "
         "and in FLOPs (the FLOP saving is always far larger: a cached step waits on bytes); and the peak "
-        "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups)]
+        "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups, verdicts),
+        resolution_paragraph(verdicts)]
     noisy = int(table["noisy"].fillna(False).astype(bool).sum()) if "noisy" in table else 0
     if noisy:
         blocks.append(Paragraph(

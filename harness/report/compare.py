@@ -196,6 +196,12 @@ def comparison_section(table: pd.DataFrame, baseline: pd.DataFrame, folder: Path
             "not the code. The fair comparison is the share of each machine's own roof a step reaches, so "
             "the table leads with roof fractions and the verdicts of those points use them."))
     out.append(Paragraph(
+        "**Two runs are measured apart.** On a shared machine the bandwidth a step gets moves by tens of "
+        "percent within minutes, so a step-time ratio between two runs holds the machine's drift as well as "
+        "any change of the code: only a difference beyond both spreads is called one, and a difference of a "
+        "few percent between runs is not resolved. To compare strategies, time them in one run "
+        "(interleave=shape, the default)."))
+    out.append(Paragraph(
         "**Slower beyond noise**: this run's p10 step is above the baseline's p90 step, so the two spreads "
         "of step times do not overlap (faster beyond noise: this run's p90 below the baseline's p10). Across "
         "devices the same rule on roof fractions: this run's best fraction (at its p10 step) below the "

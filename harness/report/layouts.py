@@ -15,27 +15,33 @@ from harness.report import format as fmt
 from harness.report import plots
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.groups import Group, cached_rows, SERIES
+from harness.report.verdicts import pooled_step, verdict
 
-HEADER = ["batch", "ctx", "rank", "strategy", "step measured", "× fastest", "step roofline", "bytes/step (model)",
+HEADER = ["batch", "ctx", "rank", "strategy", "step measured [95%]", "× fastest [95%]", "step roofline", "bytes/step (model)",
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
 
 
 def ranking_rows(group: Group) -> list[list[str]]:
-    """One line per cache at every (batch, ctx) of the group where two or more caches ran."""
+    """One line per cache at every (batch, ctx) of the group where two or more caches ran, ranked by
+    pooled median step; each against the fastest with the paired interval (a tie where it holds 1)."""
     body = []
     cached = cached_rows(group.ok).dropna(subset=["decode_step_s"])
     for (batch, ctx), rows in cached.groupby(["batch", "ctx"], sort=True):
         if rows[SERIES].nunique() < 2:
             continue
-        rows = rows.sort_values("decode_step_s")
-        fastest = float(rows["decode_step_s"].iloc[0])
-        for rank, (_, r) in enumerate(rows.iterrows(), start=1):
-            layout = group.layouts[r[SERIES]]
+        judged = verdict(rows)
+        ranked = [judged.fastest] + sorted(judged.comparisons, key=lambda name: judged.comparisons[name].ratio.median)
+        for rank, series in enumerate(ranked, start=1):
+            mine = rows[rows[SERIES] == series]
+            r, step = mine.iloc[0], pooled_step(mine)
+            layout = group.layouts[series]
             needed = analytic.kv_cache_used_bytes(group.shape, group.dtype, int(batch), int(ctx + r["decode_tokens"]),
                                                   layout)
             allocated = r["kv_cache_bytes"]
-            body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(r[SERIES]), fmt.seconds(r["decode_step_s"]),
-                         fmt.ratio(r["decode_step_s"] / fastest), fmt.seconds(r.get("analytic_decode_step_s")),
+            against = judged.comparisons[series].text() if series in judged.comparisons else "fastest"
+            body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(series),
+                         f"{fmt.seconds(step.median)} [{fmt.seconds(step.low)}–{fmt.seconds(step.high)}]",
+                         against, fmt.seconds(r.get("analytic_decode_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])
     return body
@@ -43,7 +49,9 @@ def ranking_rows(group: Group) -> list[list[str]]:
 
 def layout_section(groups: list[Group], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("Which layout wins where"), Paragraph(
-        "Per point, the caches ranked by measured step time. Bytes per step are the model's for each layout "
+        "Per point, the caches ranked by measured step time (pooled over repeats), each against the fastest "
+        "with the 95% interval of the ratio over rounds timed together; a ratio whose interval holds 1 is a tie. "
+        "Bytes per step are the model's for each layout "
         "(weights, the cache read, written and, for a cache grown by concatenation, copied; a table read "
         "over its whole max_len counts every position). Cache allocated is what the run held at its end; "
         "what its tokens need is batch × tokens at the layout's stored width: the ratio is a paged cache's "
@@ -58,7 +66,7 @@ def layout_section(groups: list[Group], folder: Path) -> list[Block]:
         out.append(Table(HEADER, body, [True, True, True, False] + [True] * 7))
         path = plots.step_time_vs_context(group, folder, cached_only=True)
         if path is not None:
-            out.append(Figure(path, "Step time against context per layout: dots measured (p10–p90), lines the "
+            out.append(Figure(path, "Step time against context per layout: dots measured (bars: 95% interval), lines the "
                                     "roofline of each layout's bytes and FLOPs."))
     if not shown:
         out.append(Paragraph("No point here ran two caches: sweep several, e.g. "

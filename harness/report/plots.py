@@ -81,9 +81,13 @@ def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) 
             line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
             ax.plot(grid, line, "-", color=_colour(group, strategy), alpha=0.55, lw=1.6)
             err = None
-            if {"decode_step_p10_s", "decode_step_p90_s"} <= set(mine.columns):
-                low = (mine["decode_step_s"] - mine["decode_step_p10_s"]).clip(lower=0).fillna(0)
-                high = (mine["decode_step_p90_s"] - mine["decode_step_s"]).clip(lower=0).fillna(0)
+            bounds = [(low, high) for low, high in (("decode_step_ci_low_s", "decode_step_ci_high_s"),
+                                                    ("decode_step_p10_s", "decode_step_p90_s"))
+                      if {low, high} <= set(mine.columns) and mine[low].notna().any()]
+            if bounds:  # the step's 95% interval where the rows have one, else its p10-p90 spread
+                low_column, high_column = bounds[0]
+                low = (mine["decode_step_s"] - mine[low_column]).clip(lower=0).fillna(0)
+                high = (mine[high_column] - mine["decode_step_s"]).clip(lower=0).fillna(0)
                 err = [low.to_numpy(float), high.to_numpy(float)]
             ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(group, strategy),
                         ms=5, capsize=2, label=strategy)
@@ -99,7 +103,7 @@ def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) 
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
     # outside the panels, so it never hides a measured point
-    fig.legend(legend.values(), legend.keys(), title="dots: measured (p10–p90)", fontsize=8,
+    fig.legend(legend.values(), legend.keys(), title="dots: measured (bars: 95% interval)", fontsize=8,
                title_fontsize=8, loc="center right")
     fig.suptitle(f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n"
                  f"{group.title}", fontsize=10)

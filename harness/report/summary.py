@@ -1,10 +1,11 @@
 """The report's first screen: one line per measured point of this machine, what it answers at a glance.
 
-Per model x device x dtype x linear kernel x batch x ctx: the fastest strategy there, what the plain cache saved
-against the recompute reference in time and in FLOPs (the gap between the two is the report's main
-story), the roof that binds the fastest step and the share of it reached, tokens per second, and the
-peak memory of the plain cache's run split into weights, cache and the rest (activations, the
-allocator's slack, the runtime's buffers).
+Per model x device x dtype x linear kernel x batch x ctx: the verdict there (the fastest strategy where
+its interval clears the next one's, else the strategies tied within the intervals: harness.report.verdicts),
+what the plain cache saved against the recompute reference in time (with its interval, compared as the
+verdict is) and in FLOPs (the gap between the two is the report's main story), the roof that binds the
+fastest step and the share of it reached, tokens per second, and the peak memory of the plain cache's
+run split into weights, cache and the rest (activations, the allocator's slack, the runtime's buffers).
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from harness.analysis.results import SERIES
 from harness.report import format as fmt
 from harness.report.document import Table
 from harness.report.groups import Group, reference_rows
+from harness.report.verdicts import Verdict, compare, pooled_step, verdict
 
-HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "fastest", "step", "tokens/s", "bound", "of its roof",
+HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
           "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
 
 
@@ -34,16 +36,20 @@ def memory_split(row) -> tuple[float, float, float, float] | None:
     return peak, weights, cache, max(peak - weights - cache, 0.0)
 
 
-def summary_rows(group: Group) -> list[list[str]]:
+def summary_rows(group: Group, verdicts: list[Verdict] | None = None) -> list[list[str]]:
+    """One line per (batch, ctx) of the group; each point's Verdict is appended to `verdicts` when given."""
     body = []
     ok = group.ok.dropna(subset=["decode_step_s"])
     plain = group.plain_cache()
     for (batch, ctx), rows in ok.groupby(["batch", "ctx"], sort=True):
-        fastest = rows.sort_values("decode_step_s").iloc[0]
+        judged = verdict(rows)
+        if verdicts is not None:
+            verdicts.append(judged)
+        fastest = rows[rows[SERIES] == judged.fastest].iloc[0]
         cached, reference = _one(rows, plain), reference_rows(rows)
         time_saved = flops_saved = "–"
         if cached is not None and not reference.empty:
-            time_saved = fmt.ratio(reference["decode_step_s"].median() / cached["decode_step_s"])
+            time_saved = compare(reference, rows[rows[SERIES] == plain]).text()
             n = int(cached["decode_tokens"])
             flops_saved = fmt.ratio(analytic.generate_flops(group.shape, int(batch), int(ctx), n, None)
                                     / analytic.generate_flops(group.shape, int(batch), int(ctx), n, group.layouts[plain]))
@@ -51,13 +57,16 @@ def summary_rows(group: Group) -> list[list[str]]:
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
         fraction = fastest.get("roofline_fraction")
         linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
-        body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), str(fastest[SERIES]),
-                     fmt.seconds(fastest["decode_step_s"]), fmt.number(fastest["tokens_per_s"]),
+        step = pooled_step(rows[rows[SERIES] == judged.fastest])
+        body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
+                     f"{fmt.seconds(step.median)} [{fmt.seconds(step.low)}–{fmt.seconds(step.high)}]",
+                     fmt.number(int(batch) / step.median),
                      str(fastest.get("roof_bound") or "–"), "–" if fmt.missing(fraction) else f"{fraction:.0%}",
                      time_saved, flops_saved, *memory])
     return body
 
 
-def summary_table(groups: list[Group]) -> Table:
-    body = [line for group in groups for line in summary_rows(group)]
+def summary_table(groups: list[Group], verdicts: list[Verdict] | None = None) -> Table:
+    """The first screen's table; each point's Verdict is appended to `verdicts` when given."""
+    body = [line for group in groups for line in summary_rows(group, verdicts)]
     return Table(HEADER, body, [False, False, False, False, True, True, False] + [True] * 10)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 from hydra import compose, initialize_config_dir
@@ -40,6 +40,7 @@ from harness.config.paths import config_dir
 from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
 from harness.measure.memory import shortfall
 from harness.measure.point import not_run
+from harness.run.groups import form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
 from harness.store.schema import SCHEMA
@@ -61,6 +62,7 @@ OUTPUT_SETTINGS = ("run.dir", "sweep.dir", "sweep.subdir", "job.chdir", "output_
 GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
 # Launchers whose jobs run on other hosts: a job checks its device and free memory there (harness.run.app).
 REMOTE_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs every job in this process
 RUN_ID_RESOLVER = "harness_run_id"  # ${harness_run_id:} in conf/config.yaml's hydra.run.dir and sweep.dir
 
 
@@ -98,6 +100,13 @@ class Plan:
 
     multirun: bool  # one process runs several points
     jobs: list[PlannedPoint]  # every point, in Hydra's order
+    groups: list = field(default_factory=list)  # harness.run.groups.PlannedGroup, in measuring order
+    in_process: bool = True  # the jobs run in this process (no launcher, or Hydra's basic one)
+
+    @property
+    def points(self) -> list[Point]:
+        """Every point the command line measures, as grouped (interleave and repeat set)."""
+        return [point for group in self.groups for point in group.points]
 
     @property
     def results_dir(self) -> str:
@@ -110,64 +119,91 @@ def needs_preflight(argv: list[str]) -> bool:
 
 
 def plan(argv: list[str], cuda_available) -> Plan:
-    """Expand and validate every point of `argv` (the arguments after the program name).
+    """Expand and validate every point of `argv` (the arguments after the program name), and group them.
 
     Raises ConfigError with one line naming the key and what is allowed.
     """
     register_schemas()
     _check_flags(argv)
-    overrides = [arg for arg in argv if not arg.startswith("-")]
-    flag_multirun = any(arg in MULTIRUN_FLAGS for arg in argv)
-    flag_run = any(arg in RUN_FLAGS for arg in argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        parsed = _parse(parser, overrides)
-        _check_hydra_keys(parsed)
-        sweeps = [o for o in parsed if o.is_sweep_override()]
-        plain = [o.input_line for o in parsed if not o.is_sweep_override()]
-        base = _compose(plain, with_hydra=True)
-        launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
-        _check_output_settings(base, launcher)
-        elsewhere = OmegaConf.select(base, "hydra.launcher._target_") in REMOTE_LAUNCHERS
-        if launcher and not os.path.isabs(str(base.results_dir)):
-            raise ConfigError("results_dir", f"'{base.results_dir}' is relative, and a launcher's jobs may run in "
-                                             "another working directory: give an absolute path")
-        multirun = flag_multirun or (not flag_run and str(base.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"))
-        if sweeps and not multirun:
-            raise ConfigError(sweeps[0].get_key_element(), "a list of values is a sweep: add -m (--multirun) to run each")
-        output_folder("results_dir", base.results_dir)  # Hydra's logs go there even before a job runs
-        sweep_params = base.hydra.sweeper.get("params") if multirun else None
-        params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
-        expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
-        _check_hydra_keys(expanded)
-        try:
-            job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
-        except HydraException as error:
-            raise ConfigError("command line", _first_line(error)) from None
-        if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
-            with open_dict(base):
-                del base["hydra"]
-        jobs = []
-        for job in job_overrides:
-            cfg = base if not multirun else _compose(job, with_hydra=False)
-            if str(cfg.results_dir) != str(base.results_dir):
-                raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
-                                                 "folder): set it once, outside the sweep, and run once per folder")
-            _check_job_options(job)
-            try:
-                validate_run(cfg, (lambda: True) if elsewhere else cuda_available)
-                point = point_from_config(cfg)
-            except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
-                raise _composition_error(error) from None
-            check_point(point)
-            does_not_fit = shortfall(point) if point.device == "cpu" and not elsewhere else None
-            jobs.append(PlannedPoint(tuple(job), cfg, point, does_not_fit))
-    if jobs and jobs[0].config.search != "none" and len(jobs) > 1:
-        raise ConfigError("search", f"{jobs[0].config.search} searches the batch of one point: give one strategy, "
+        command = _command_line(argv)
+        jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
+    first = jobs[0]
+    if first.config.search != "none" and len(jobs) > 1:
+        raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
                                     "model and ctx (no lists), or search=none for a sweep")
-    if not multirun and does_not_fit is not None:
-        raise ConfigError("model", f"{point.label()} {does_not_fit}; choose a smaller model, batch or ctx")
-    return Plan(multirun=multirun, jobs=jobs)
+    if not command.multirun and first.does_not_fit is not None:
+        raise ConfigError("model", f"{first.point.label()} {first.does_not_fit}; choose a smaller model, batch or ctx")
+    groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
+    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+
+
+@dataclass
+class _CommandLine:
+    """A command line composed once: what every job of it shares."""
+
+    base: object  # the config composed from the plain overrides (with Hydra's node while multirun)
+    multirun: bool  # several jobs, each composed on its own
+    job_overrides: list  # each job's overrides, in Hydra's order
+    elsewhere: bool  # a launcher runs the jobs on other hosts
+    in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
+
+
+def _command_line(argv: list[str]) -> _CommandLine:
+    """Parse and compose the command line, check the Hydra keys it sets and where output goes, and
+    expand the sweep the way Hydra's BasicSweeper will."""
+    overrides = [arg for arg in argv if not arg.startswith("-")]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    parsed = _parse(parser, overrides)
+    _check_hydra_keys(parsed)
+    sweeps = [o for o in parsed if o.is_sweep_override()]
+    base = _compose([o.input_line for o in parsed if not o.is_sweep_override()], with_hydra=True)
+    launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
+    _check_output_settings(base, launcher)
+    launcher_target = OmegaConf.select(base, "hydra.launcher._target_")
+    elsewhere = launcher_target in REMOTE_LAUNCHERS
+    if launcher and not os.path.isabs(str(base.results_dir)):
+        raise ConfigError("results_dir", f"'{base.results_dir}' is relative, and a launcher's jobs may run in "
+                                         "another working directory: give an absolute path")
+    flag_run = any(arg in RUN_FLAGS for arg in argv)
+    multirun = any(arg in MULTIRUN_FLAGS for arg in argv) or (
+        not flag_run and str(base.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN"))
+    if sweeps and not multirun:
+        raise ConfigError(sweeps[0].get_key_element(), "a list of values is a sweep: add -m (--multirun) to run each")
+    output_folder("results_dir", base.results_dir)  # Hydra's logs go there even before a job runs
+    sweep_params = base.hydra.sweeper.get("params") if multirun else None
+    params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
+    expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+    _check_hydra_keys(expanded)
+    try:
+        job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
+    except HydraException as error:
+        raise ConfigError("command line", _first_line(error)) from None
+    if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
+        with open_dict(base):
+            del base["hydra"]
+    in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
+    return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
+
+
+def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
+    """One job composed (once per job in a sweep), validated and resolved into its point."""
+    cfg = command.base if not command.multirun else _compose(job, with_hydra=False)
+    if str(cfg.results_dir) != str(command.base.results_dir):
+        raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
+                                         "folder): set it once, outside the sweep, and run once per folder")
+    if str(cfg.interleave) != str(command.base.interleave) or cfg.repeats != command.base.repeats:
+        raise ConfigError("interleave" if str(cfg.interleave) != str(command.base.interleave) else "repeats",
+                          "how a sweep's points are grouped is one choice per command line: set it outside the sweep")
+    _check_job_options(job)
+    try:
+        validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
+        point = point_from_config(cfg)
+    except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
+        raise _composition_error(error) from None
+    check_point(point)
+    does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
+    return PlannedPoint(tuple(job), cfg, point, does_not_fit)
 
 
 def check_point(point: Point) -> None:

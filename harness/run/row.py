@@ -71,6 +71,11 @@ def roof_columns(row: dict, roofs) -> dict:
         # The binding roof's fraction: how close the step came to what this machine allows at all. A
         # compute-bound step cannot reach a bandwidth fraction above ridge / intensity, however good.
         columns["roofline_fraction"] = analytic.roofline_time(step_flops, step_bytes, roof) / step
+        in_rounds = row["roof_bandwidth_in_rounds_Bps"]
+        if in_rounds:  # the same step against the read the machine gave in the step's own rounds
+            columns["bandwidth_fraction_in_rounds"] = step_bytes / step / in_rounds
+            window = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=in_rounds)
+            columns["roofline_fraction_in_rounds"] = analytic.roofline_time(step_flops, step_bytes, window) / step
     return columns
 
 

@@ -49,6 +49,15 @@ class Calibration:
                          self.read_bandwidth_c_gemv_Bps)
 
 
+    @property
+    def gemv_kernel(self) -> str:
+        """Which matrix-vector read set gemv_bandwidth_Bps: aten, packed or c (the names of
+        harness.measure.roofs.GemvRead), the kernel a group times in its rounds."""
+        rates = {"aten": self.read_bandwidth_gemv_Bps, "packed": self.read_bandwidth_packed_gemv_Bps,
+                 "c": self.read_bandwidth_c_gemv_Bps}
+        return max((name for name in rates if rates[name]), key=lambda name: rates[name])
+
+
 def best_gemv(aten: float, packed: Optional[float], c: Optional[float]) -> float:
     """The fastest of the matrix-vector reads measured (packed and c: None where they did not run)."""
     return max(rate for rate in (aten, packed, c) if rate)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from harness.config import ModelConfig
 from harness.measure.contention import CpuTimes, others_fraction  # noqa: F401 (others_fraction: for the suite)
+from harness.measure.group import rotation
+from harness.measure.intervals import paired_ratio
 from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
 from strategies.contiguous import ContiguousStrategy
@@ -177,6 +179,10 @@ def run_timed(benchmark, target, setup=None, control=None, budget_s: float = 2.0
     if control is not None:
         benchmark.extra_info["control_median_s"] = statistics.median(control_times[1:])  # [0]: warm-up round
         benchmark.extra_info["control_kernel"] = control.name
+        # Each round's time over the control's right before it, the same paired ratio a group of the
+        # runner records against its reference (harness.measure.intervals): drift between rounds cancels.
+        ratio = paired_ratio(list(benchmark.stats.stats.data), control_times[1:])
+        benchmark.extra_info.update(control_ratio=ratio.median, control_ratio_ci=[ratio.low, ratio.high])
     return result
 
 
@@ -187,13 +193,14 @@ def cpu_seconds() -> CpuTimes:
 
 def interleaved_medians(kernels: dict, rounds: int) -> tuple[dict, float]:
     """Median seconds of each kernel over `rounds` rounds that each run every kernel once, in an order
-    rotating from round to round (a burst of noise lands on all of them alike), after one warm-up call
+    rotating and reversing from round to round as a group's members do (harness.measure.group.rotation:
+    a burst of noise lands on all of them alike), after one warm-up call
     each; and the share of the CPUs other processes took meanwhile."""
     for kernel in kernels.values():  # warm-up: allocator, caches, lazy initialisation
         kernel()
     times, names, start = {name: [] for name in kernels}, list(kernels), cpu_seconds()
     for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in (names[slot] for slot in rotation(len(names), round_)):  # the runner's groups' order
             begin = time.perf_counter()
             kernels[name]()
             times[name].append(time.perf_counter() - begin)

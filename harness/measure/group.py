@@ -1,0 +1,227 @@
+"""Measure a group: points of one shape (model, dtype, device, batch, ctx, ...) that differ only in
+strategy, matmul kernel or compile mode, timed together in one process so that they compare.
+
+On a shared machine the bandwidth a step gets moves by tens of percent within minutes, so two points
+measured one after the other differ by the machine as much as by their strategies. A group removes
+that: one model per linear kernel, every member's session alive at once (harness.measure.member), and
+`decode_tokens` rounds in which every member takes one timed step, in an order that rotates and
+reverses from round to round (no member always runs first, or always after the same other one).
+Each round also times the calibration's matrix-vector read (harness.measure.roofs.GemvRead), so every
+row carries the bandwidth the machine gave in its own window beside the calibrated best-of roof.
+
+After the rounds each member's step time gets its bootstrap interval, and each member other than the
+group's reference its round-by-round ratio to the reference with an interval
+(harness.measure.intervals). The reference is chosen by what members declare (could_be_reference): an
+exact cached strategy that ran, a plain contiguous layout first (reference_index).
+
+Runs inside one process of its own (harness.run.isolation). Returns one measured dict per member, in
+the group's order; `harness.run.row` makes each a row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.config import CONTIGUOUS, Point
+from harness.measure.contention import CpuTimes, gpu_state, others_fraction_since
+from harness.measure.compiled import graphs_compiled
+from harness.measure.device import device_name
+from harness.measure.intervals import METHOD as INTERVAL_METHOD, median_interval, paired_ratio
+from harness.measure.member import PEAK_METHOD, Member
+from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
+from harness.measure.point import accuracy, tokens_digest
+from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
+from harness.measure.timing import StepTimer
+from harness.model import build_model
+from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """What a group's process measures."""
+
+    group_id: str  # names the group in every member's row
+    members: tuple[Point, ...]  # same shape, device, dtype, batch, ctx, timing, threads, page size
+    roof_kernel: str | None = None  # the calibration's best matrix-vector read (GemvRead.kernel); None: the fastest that runs
+
+
+def rotation(members: int, round_index: int) -> list[int]:
+    """The order of round `round_index`: rotated by half the round index, reversed every other round
+    (ABC, CBA, BCA, ACB, ...), so over the rounds every member runs in every slot and after every other."""
+    shift = (round_index // 2) % members
+    order = list(range(shift, members)) + list(range(shift))
+    return order[::-1] if round_index % 2 else order
+
+
+def could_be_reference(point: Point) -> bool:
+    """What a group's reference declares: an exact cached strategy with the plain contiguous layout (the
+    layout every other stores its K/V differently from)."""
+    choice = point.strategy
+    return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
+
+
+def reference_index(members: list[Member]) -> int | None:
+    """The group's reference: among the exact cached members that ran, one that could be a reference
+    (could_be_reference) first, then the lexically first strategy name, so the choice never depends on
+    the order the sweep listed them in (the report's plain cache is chosen the same way); None when none ran."""
+    ran = [i for i, m in enumerate(members) if m.live and m.point.strategy.exact and m.point.strategy.caches_kv]
+    if not ran:
+        return None
+    return min(ran, key=lambda i: (not could_be_reference(members[i].point), members[i].point.strategy.name, i))
+
+
+def measure_group(request: GroupRequest) -> list[dict]:
+    first = request.members[0]
+    if first.hugepages:  # first: torch's allocator reads it at this process's first allocation
+        use_hugepages()
+    # Inference mode: no step pays for autograd's version counters and view tracking.
+    with torch.inference_mode():
+        return _GroupRun(request).measure()
+
+
+class _GroupRun:
+    def __init__(self, request: GroupRequest):
+        self.request = request
+        first = request.members[0]
+        self.device, self.dtype = torch.device(first.device), getattr(torch, first.dtype)
+        torch.set_num_threads(first.threads)
+        self.timer = StepTimer(self.device, cold_cache=first.timing.cold_cache)
+        self.members = [Member(point) for point in request.members]
+        self.models: dict[str, tuple[object, int]] = {}  # matmul -> (model, its resident bytes)
+
+    def model_for(self, point: Point):
+        """One model per linear kernel, built once (same seed: the same weights) and shared."""
+        if point.matmul not in self.models:
+            tracker = PeakTracker(self.device)
+            tracker.start()
+            model = build_model(point.model, self.device, self.dtype, point.seed, point.matmul, batch_hint=point.batch)
+            self.models[point.matmul] = (model, tracker.held_bytes())
+        return self.models[point.matmul]
+
+    def measure(self) -> list[dict]:
+        process = PeakTracker(self.device)
+        process.start()
+        self.prime()
+        for member in self.members:
+            try:
+                member.set_up(*self.model_for(member.point), self.timer)
+            except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
+                member.fail(error)
+        live = [m for m in self.members if m.live]
+        rounds = self.run_rounds(live, self.read_probe()) if live else None  # nothing to time when none set up
+        reference = reference_index(self.members)
+        outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
+                    for i, member in enumerate(self.members)]
+        for member, outcome in zip(self.members, outcomes):  # every session freed first: one at a time
+            if member.live:
+                outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0]))
+        return outcomes
+
+    def prime(self) -> None:
+        """Set up the first member that runs here once and discard it: what a process pays once (thread
+        pools, kernel libraries, allocator growth) then lands in no member's peak, not in the first one's."""
+        for member in self.members:
+            trial = Member(member.point)
+            try:
+                trial.set_up(*self.model_for(member.point), self.timer)
+            except Exception:  # noqa: BLE001 - the member's own set-up meets the same error and records it
+                continue
+            if trial.live:
+                return
+
+    def read_probe(self) -> GemvRead:
+        first = self.request.members[0]
+        kernels = gemv_kernels(first.device, first.dtype)
+        kernel = self.request.roof_kernel if self.request.roof_kernel in kernels else kernels[-1]
+        probe = GemvRead(kernel, PROBE_BYTES[first.device], self.device, self.dtype)
+        probe()  # its first touch of the matrix stays out of the rounds
+        return probe
+
+    def run_rounds(self, live: list[Member], probe) -> dict:
+        """`decode_tokens` rounds: every live member one timed step, and the read probe once."""
+        count = self.request.members[0].decode_tokens
+        probe_seconds: list[float] = []
+        slots = live + [probe]
+        before, graphs_before = CpuTimes.now(), graphs_compiled()
+        for round_index in range(count):
+            for slot in rotation(len(slots), round_index):
+                entrant = slots[slot]
+                if entrant is probe:
+                    probe_seconds.append(self.timer.time(probe)[1])
+                elif entrant.live:
+                    try:
+                        entrant.timed_step()
+                    except Exception as error:  # noqa: BLE001
+                        entrant.fail(error)
+        contention = others_fraction_since(before)  # the rounds, padded to a window /proc/stat resolves
+        recompiles = graphs_compiled() - graphs_before  # before any other code can compile
+        gpu = gpu_state(self.device.index or 0) if self.device.type == "cuda" else {}
+        roof = median_interval([probe.nbytes / s for s in probe_seconds]) if probe_seconds else None
+        return {"count": count, "contention": contention, "recompiles": recompiles, "gpu": gpu,
+                "roof": roof, "roof_kernel": probe.kernel}
+
+    def outcome(self, index: int, member: Member, rounds: dict | None, reference: int | None,
+                process_baseline: int) -> dict:
+        """A member's measured dict (its session freed), the accuracy columns still to come."""
+        group = {"group_id": self.request.group_id, "group_size": len(self.members),
+                 "device_name": device_name(self.device)}
+        if not member.live:
+            return {**member.outcome, **group}
+        return {**self._timed_columns(member, rounds), **group,
+                **self._ratio_columns(index, member, reference),
+                **self._memory_columns(member, process_baseline),
+                "tokens_digest": tokens_digest(member.tokens()),
+                "tokens": member.tokens().cpu().tolist()}  # for tests and callers; not stored in the row
+
+    def _timed_columns(self, member: Member, rounds: dict) -> dict:
+        point, stats, prefill = member.point, member.step_stats(), member.prefill
+        step = median_interval(member.step_seconds)
+        roof = rounds["roof"]
+        return {
+            "status": "ok", "reason": "", "kernel": member.kernel,
+            "matmul_kernel": MATMUL_KERNELS[point.matmul],
+            "compile_mode": member.compiled.call if member.compiled else "eager",
+            "compile_s": member.compiled.compile_s if member.compiled else None,
+            "compile_recompiles": rounds["recompiles"] if member.compiled else None,
+            "prefill_s": prefill.p50 if prefill else None,
+            "prefill_p10_s": prefill.p10 if prefill else None,
+            "prefill_p90_s": prefill.p90 if prefill else None,
+            "prefill_repeats": prefill.count if prefill else None,
+            "decode_step_s": stats.p50, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
+            "decode_step_ci_low_s": step.low, "decode_step_ci_high_s": step.high,
+            "decode_steps_timed": stats.count, "decode_step_times_s": list(member.step_seconds),
+            "rounds": rounds["count"], "interval_method": INTERVAL_METHOD,
+            "warmup_steps": member.warmup_steps,
+            "timing_method": self.timer.method + (", CUDA graph replay" if point.timing.cuda_graphs else "")
+                             + (f", interleaved with {len(self.members) - 1} other(s) in rotating order"
+                                if len(self.members) > 1 else ""),
+            "tokens_per_s": point.batch / stats.p50,
+            "contention": rounds["contention"], **rounds["gpu"],
+            "roof_bandwidth_in_rounds_Bps": roof.median if roof else None,
+            "roof_in_rounds_kernel": rounds["roof_kernel"],
+        }
+
+    def _ratio_columns(self, index: int, member: Member, reference: int | None) -> dict:
+        columns = {"group_reference": None, "group_reference_key": None, "ratio_to_reference": None,
+                   "ratio_ci_low": None, "ratio_ci_high": None}
+        if reference is None:
+            return columns
+        partner = self.members[reference].point
+        columns.update(group_reference=partner.strategy.name, group_reference_key=partner.key)
+        if reference != index:
+            ratio = paired_ratio(member.step_seconds, self.members[reference].step_seconds)
+            columns.update(ratio_to_reference=ratio.median, ratio_ci_low=ratio.low, ratio_ci_high=ratio.high)
+        return columns
+
+    def _memory_columns(self, member: Member, process_baseline: int) -> dict:
+        memory = dict(member.memory)
+        if self.device.type == "cpu":
+            memory["process_baseline_bytes"] = process_baseline
+        return {**memory, **member.release(), "peak_memory_method": PEAK_METHOD[self.device.type],
+                "anon_hugepages_bytes": anon_hugepages_bytes()}
+
+
+def measure_point(point: Point) -> dict:
+    """One point measured alone: a group of one (its rounds still time the read probe beside its steps)."""
+    return measure_group(GroupRequest(group_id=point.key, members=(point,)))[0]

@@ -1,0 +1,119 @@
+"""One member of a measured group: a strategy's session, set up on its own, then stepped in the rounds.
+
+Set-up runs one member at a time, before any round: the strategy's kernel is resolved (a strategy
+that cannot run here makes a skipped outcome), its session is made and brought to the first decode
+position (the prompt timed, harness.measure.point.start_decode), compiled or captured in CUDA graphs
+where the point asks, and warmed up at that position. Its own peak memory is read over exactly this
+set-up (harness.measure.memory.PeakTracker started right before it): the session's tables, the
+prompt's transients and warm-up steps, above whatever the model and the members set up earlier hold.
+The rounds then call `timed_step` once per round. A member whose set-up or step raises keeps its
+failure (`outcome`) and leaves the rounds; the others go on.
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from harness.config import Point
+from harness.measure.compiled import CompiledSteps
+from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
+from harness.measure.memory import PeakTracker, shortfall
+from harness.measure.point import not_run, start_decode
+from harness.measure.timing import StepStats, StepTimer, warm_up
+from strategies.base import StrategyUnavailable
+
+PEAK_METHOD = {
+    "cpu": "own allocations: resident set growth while this member alone was set up (its session, prompt and "
+           "warm-up steps), plus the model's resident bytes; measured before the group's rounds",
+    "cuda": "own allocations: max_memory_allocated growth while this member alone was set up (its session, prompt "
+            "and warm-up steps), plus the model's allocated bytes; measured before the group's rounds",
+}
+
+
+class Member:
+    """A point of a group and, once set up, its live session and the times of its timed steps."""
+
+    def __init__(self, point: Point):
+        self.point = point
+        self.outcome: dict | None = None  # set when the member is skipped or failed: its whole measured dict
+        self.step_seconds: list[float] = []  # one per round, in round order
+        self.generated: list[torch.Tensor] = []  # [B] per position, the first decode token first
+        self.strategy = None
+        self.session = None
+
+    @property
+    def live(self) -> bool:
+        return self.outcome is None
+
+    def fail(self, error: BaseException) -> None:
+        """Leave the rounds with the error as this member's failed outcome; its session is freed."""
+        self.outcome = {"status": "failed", "reason": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc()}
+        self.session = self._timed = None
+
+    def set_up(self, model, model_bytes: int, timer: StepTimer) -> None:
+        """Resolve, build, prefill, compile or capture, warm up; read the member's own peak. On a reason
+        not to run, `outcome` becomes the skipped row's dict and nothing is built."""
+        point, device, dtype = self.point, torch.device(self.point.device), getattr(torch, self.point.dtype)
+        self.strategy = point.strategy.instantiate()
+        try:
+            self.kernel = self.strategy.kernel(device, dtype, point.model)
+        except StrategyUnavailable as unavailable:
+            self.outcome = not_run("skipped", str(unavailable))
+            return
+        if point.compile != "none" and not type(self.strategy).compilable:
+            self.outcome = not_run("skipped", f"compile={point.compile}: {self.strategy.name} does not declare itself "
+                                              "compilable (its decode step does not trace into one torch.compile graph)")
+            return
+        if point.device == "cuda" and (reason := shortfall(point)) is not None:  # free GPU memory is known only here
+            self.outcome = not_run("skipped", reason)
+            return
+        peak = PeakTracker(device)
+        peak.start()
+        generator = torch.Generator(device=device).manual_seed(point.seed)
+        self.session, first_token, self.prefill = start_decode(
+            point, lambda: self.strategy.new_session(model, point.batch, point.max_len), generator, timer)
+        self.generated = [first_token]
+        self.compiled = CompiledSteps(self.session, first_token, device, timer.time) if point.compile != "none" else None
+        self.warmup_steps = self._warm_up(timer)
+        memory = peak.read()
+        memory["peak_memory_bytes"] += model_bytes
+        self.memory = memory
+
+    def _warm_up(self, timer: StepTimer) -> int:
+        """Warm-up steps at the first decode position (the session rewound after each: the tokens stay
+        the reference's); sets `_timed`, the callable of one timed step."""
+        t, session, first_token = self.point.timing, self.session, self.generated[0]
+        if t.cuda_graphs:
+            graphed = GraphedSteps(session, first_token, self.point.decode_tokens)  # captures every step up front
+            self._timed = lambda token: graphed.replay_next(token, timer.time)
+            return EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min, t.warmup_max,
+                                                t.settle_tolerance)
+        step = self.compiled.step if self.compiled else session.step  # the prompt ran eager either way
+
+        def first_step_again() -> float:
+            _, seconds = timer.time(lambda: step(first_token))
+            session.rewind(self.point.ctx)
+            return seconds
+
+        self._timed = lambda token: timer.time(lambda: step(token).argmax(-1))
+        return warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
+
+    def timed_step(self) -> None:
+        """One timed decode step at the next position: its time and its token recorded."""
+        token, seconds = self._timed(self.generated[-1])
+        self.generated.append(token)
+        self.step_seconds.append(seconds)
+
+    def release(self) -> dict:
+        """Free the session; returns what only the live session knew (cache bytes)."""
+        cache_bytes = self.session.kv_cache_bytes
+        self.session = self._timed = None
+        return {"kv_cache_bytes": cache_bytes}
+
+    def step_stats(self) -> StepStats:
+        return StepStats.of(self.step_seconds)
+
+    def tokens(self) -> torch.Tensor:
+        return torch.stack(self.generated, dim=1)  # [B, decode_tokens + 1]

@@ -1,0 +1,132 @@
+"""What the numbers support: which strategy is faster at a point, by how much, and where the run cannot tell.
+
+Every comparison the report draws between two strategies' step times goes through `compare`:
+- rows timed in one group (the same `group_id`: one process, steps interleaved round by round) are
+  compared round by round, pooled over every group both sit in (a sweep's repeats), with the paired
+  ratio's bootstrap interval (harness.measure.intervals);
+- rows timed apart (interleave=none, or two runs) get the ratio of their medians with an interval from
+  their own intervals' ends, and are marked as measured apart: on a shared machine two numbers
+  measured minutes apart differ by the machine's drift as much as by the strategies.
+A ratio whose interval holds 1 is a tie, never a winner. `verdict` names the fastest strategy of a
+point only where its interval clears the next one's, else the members tied within the interval.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from harness.analysis.results import SERIES
+from harness.measure.intervals import Interval, median_interval, paired_ratio
+from harness.report import format as fmt
+from harness.report.document import Paragraph
+
+GROUP = "group_id"
+TIMES = "decode_step_times_s"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Step time of one series over another's at one point."""
+
+    ratio: Interval  # numerator's time / denominator's time
+    paired: bool  # from rounds timed together (one group); False: measured apart
+
+    @property
+    def tie(self) -> bool:
+        return not self.ratio.excludes(1.0)
+
+    def text(self) -> str:
+        """`1.48x [1.41–1.55]`, or a tie with the interval that holds 1; `(apart)` when not paired."""
+        r = self.ratio
+        apart = "" if self.paired else ", measured apart"
+        if self.tie:
+            return f"tie ({fmt.ratio(r.median)}, {r.low:.2f}–{r.high:.2f}{apart})"
+        return f"{fmt.ratio(r.median)} [{r.low:.2f}–{r.high:.2f}]{'' if self.paired else ' (measured apart)'}"
+
+
+def _times(row) -> list[float]:
+    times = row.get(TIMES) if hasattr(row, "get") else None
+    return [float(t) for t in times] if times is not None and len(times) else []
+
+
+def pooled_step(rows: pd.DataFrame) -> Interval:
+    """A series' step time at one point over all its rows (repeats): the median of every timed step,
+    with its interval; rows without their steps give their own median and interval."""
+    steps = [t for _, row in rows.iterrows() for t in _times(row)]
+    if steps:
+        return median_interval(steps)
+    row = rows.iloc[0]
+    low, high = row.get("decode_step_ci_low_s"), row.get("decode_step_ci_high_s")
+    median = float(row["decode_step_s"])
+    return Interval(median, float(low) if not fmt.missing(low) else median, float(high) if not fmt.missing(high) else median)
+
+
+def compare(numerator: pd.DataFrame, denominator: pd.DataFrame) -> Comparison:
+    """numerator's step time over denominator's at one point (rows of one series each)."""
+    pairs_a, pairs_b = [], []
+    if GROUP in numerator and GROUP in denominator:
+        partners = {row[GROUP]: _times(row) for _, row in denominator.iterrows() if isinstance(row[GROUP], str)}
+        for _, row in numerator.iterrows():
+            mine, theirs = _times(row), partners.get(row[GROUP])
+            if theirs and mine and len(mine) == len(theirs):
+                pairs_a += mine
+                pairs_b += theirs
+    if pairs_a:
+        return Comparison(paired_ratio(pairs_a, pairs_b), paired=True)
+    a, b = pooled_step(numerator), pooled_step(denominator)
+    return Comparison(Interval(a.median / b.median, a.low / b.high, a.high / b.low), paired=False)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Who is fastest at one point, as far as the intervals allow."""
+
+    text: str  # the summary's cell
+    fastest: str  # the series with the lowest pooled median
+    comparisons: dict  # series -> Comparison against the fastest
+
+
+def verdict(rows: pd.DataFrame) -> Verdict:
+    """The fastest series at one point (rows of several series, any repeats) where its interval clears
+    the next one's; else `tie within X%` naming the series whose interval against it holds 1."""
+    series = {name: mine for name, mine in rows.groupby(SERIES)}
+    medians = {name: pooled_step(mine).median for name, mine in series.items()}
+    order = sorted(medians, key=medians.get)
+    fastest = order[0]
+    comparisons = {name: compare(series[name], series[fastest]) for name in order[1:]}
+    if not comparisons:
+        return Verdict(fastest, fastest, comparisons)
+    tied = [name for name in order[1:] if comparisons[name].tie]
+    apart = "" if all(c.paired for c in comparisons.values()) else " (some measured apart)"
+    if not tied:
+        second = order[1]
+        ahead = comparisons[second].ratio
+        return Verdict(f"{fastest} ({(ahead.median - 1):.0%} ahead of {second}, {ahead.low - 1:.0%}–{ahead.high - 1:.0%})"
+                       f"{apart}", fastest, comparisons)
+    within = max(comparisons[name].ratio.high for name in tied) - 1
+    return Verdict(f"tie within {within:.0%}: {', '.join([fastest, *tied])}{apart}", fastest, comparisons)
+
+
+def resolution(verdicts: list[Verdict]) -> tuple[float, int] | None:
+    """The difference this run could resolve: the median half-width of its paired ratio intervals (a
+    fraction), and how many comparisons it is taken over; None without a paired comparison."""
+    widths = sorted(c.ratio.half_width for v in verdicts for c in v.comparisons.values() if c.paired)
+    if not widths:
+        return None
+    return widths[len(widths) // 2], len(widths)
+
+
+def resolution_paragraph(verdicts: list[Verdict]) -> Paragraph:
+    """The paragraph under the summary: the smallest difference this run could resolve, and why."""
+    found = resolution(verdicts)
+    if found is None:
+        return Paragraph("No two strategies were timed in the same rounds here, so no difference between them is "
+                         "resolved: rows timed apart differ by the machine's drift between them as much as by the "
+                         "strategies (interleave=shape, the default, times a shape's strategies together).")
+    width, count = found
+    return Paragraph(
+        f"**Resolution: about ±{width:.1%}.** That is the median half-width of the 95% intervals of the "
+        f"{count} step-time ratios above, each over paired rounds of strategies timed together (bootstrap "
+        f"over rounds); differences smaller than that are reported as ties, not as a winner. More rounds "
+        f"(`decode_tokens=`) or `repeats=` narrow it; a quieter machine too.")

@@ -1,0 +1,208 @@
+"""Measure planned groups and write their rows: the runner's work for each Hydra job.
+
+A group (harness.run.groups) is measured in one process of its own (harness.run.isolation, or this
+process with isolate=false) by harness.measure.group; each member's row is assembled
+(harness.run.row) and written whole (harness.store.files) as soon as the group is done. A member whose
+row is finished is kept (unless a rerun rule applies: `rerun_reason`); when others of its group are
+measured again, the group's reference is measured with them (its row kept) so their ratios still have a
+partner in the same rounds. A group's process that dies fails every member it held, with the reason;
+the sweep goes on. Progress lines, one per point, and the counts for the closing line live here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from harness.measure.contention import ROOF_LIMIT
+from harness.measure.group import GroupRequest, could_be_reference, measure_group
+from harness.measure.point import not_run
+from harness.run import calibration
+from harness.run.groups import PlannedGroup
+from harness.run.isolation import run_inline, run_isolated
+from harness.run.metadata import git_commit, same_code
+from harness.run.row import build_row
+from harness.store.files import finished_row, write_row
+
+log = logging.getLogger("harness")
+
+
+@dataclass
+class Progress:
+    """Counts and timing across the points of this process, for the progress line and the summary."""
+
+    total: int = 1  # points this command line expands to
+    done: int = 0  # points handled so far (measured, skipped or already present)
+    started: float = field(default_factory=time.monotonic)
+    measured_seconds: list = field(default_factory=list)  # wall time of each point that ran
+    statuses: Counter = field(default_factory=Counter)  # status -> count
+    written: int = 0  # rows this process wrote
+
+    def eta_seconds(self) -> float | None:
+        if not self.measured_seconds:
+            return None
+        return (self.total - self.done) * sum(self.measured_seconds) / len(self.measured_seconds)
+
+    def line(self, label: str, outcome: str) -> str:
+        elapsed = time.monotonic() - self.started
+        eta = self.eta_seconds()
+        left = f", ~{clock(eta)} left" if eta is not None and self.done < self.total else ""
+        return f"[{self.done}/{self.total}] {label}: {outcome} (elapsed {clock(elapsed)}{left})"
+
+
+PROGRESS = Progress()
+CALIBRATIONS: dict = {}  # (results_dir, device, dtype) -> Calibration, once per process
+STORED_CALIBRATION: dict = {}  # same key -> True while the record in use was stored by an earlier run
+
+
+def roofs_for(cfg, point, run):
+    """Stored roofs for the point's device and dtype, measured first if missing (or once per process
+    when calibrate=true). A failed calibration leaves the roofs null rather than stopping the sweep."""
+    key = (cfg.results_dir, point.device, point.dtype)
+    if key not in CALIBRATIONS:
+        try:
+            record, measured_now = calibration.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
+                                                      budget_s=cfg.calibration_budget_s)
+        except RuntimeError as error:
+            log.warning(f"{error}; rows of {point.device}/{point.dtype} get no roofs")
+            record, measured_now = None, False
+        if measured_now:
+            log.info(
+                f"calibrated {point.device}/{point.dtype}: read {record.read_bandwidth_Bps / 1e9:.1f} GB/s, "
+                f"matmul {record.matmul_flops / 1e12:.3f} TFLOP/s -> {calibration.record_path(*key)}"
+            )
+        elif record is not None and calibration.is_contended(record):
+            log.warning(f"the stored calibration {calibration.record_path(*key)} ({record.timestamp}) was measured "
+                        f"while other processes took {record.contention:.0%} of the CPUs: its roofs are likely "
+                        "low; calibrate=true measures them again")
+        CALIBRATIONS[key] = record
+        STORED_CALIBRATION[key] = record is not None and not measured_now
+    return CALIBRATIONS[key]
+
+
+def warn_if_beaten(cfg, point, row: dict) -> None:
+    """Once per device and dtype: a row faster than a stored record's roofs says the record is wrong
+    (measured on a busy machine, or before a faster kernel), and names the switch that re-measures it."""
+    key = (cfg.results_dir, point.device, point.dtype)
+    beaten = {name: row[name] for name in ("bandwidth_fraction", "flops_fraction")
+              if row.get(name) is not None and row[name] > ROOF_LIMIT}
+    if not beaten or not STORED_CALIBRATION.get(key):
+        return
+    STORED_CALIBRATION[key] = False  # said once
+    record = CALIBRATIONS[key]
+    figures = ", ".join(f"{name} {value:.2f}" for name, value in beaten.items())
+    log.warning(f"{point.label()} beats the stored calibration {calibration.record_path(*key)} "
+                f"({record.timestamp}): {figures} > {ROOF_LIMIT}, so its roofs are too low; "
+                "re-run with calibrate=true")
+
+
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{secs:02d}"
+
+
+def _outcome(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row['reason']}"
+    step_ms = row["decode_step_s"] * 1e3
+    interval = (f" [{row['decode_step_ci_low_s'] * 1e3:.2f}, {row['decode_step_ci_high_s'] * 1e3:.2f}]"
+                if row["decode_step_ci_low_s"] is not None else "")
+    ratio = (f", {row['ratio_to_reference']:.3f}x [{row['ratio_ci_low']:.3f}, {row['ratio_ci_high']:.3f}] of "
+             f"{row['group_reference']} in the same rounds" if row["ratio_to_reference"] is not None else "")
+    bandwidth, flops = row["bandwidth_fraction"], row["flops_fraction"]
+    of_roof = (f", roofs: {bandwidth:.0%} of read, {flops:.0%} of FLOP/s ({row['roof_bound']} bound)"
+               if bandwidth is not None else "")
+    noisy = f"; NOISY: {row['noise_reason']}" if row["noisy"] else ""
+    return f"ok, {step_ms:.2f} ms/step{interval}{ratio}, {row['tokens_per_s']:.1f} tok/s{of_roof}{noisy}"
+
+
+def measured_traffic(point) -> dict:
+    """DRAM bytes per step from Nsight Compute; on failure the row keeps traffic_source=model."""
+    from harness.measure.ncu import measure_traffic
+
+    try:
+        return measure_traffic(point)
+    except RuntimeError as error:
+        log.warning(f"{point.label()}: ncu traffic not measured, traffic_source stays model: {error}")
+        return {}
+
+
+def rerun_reason(row, cfg) -> str | None:
+    """Why a point whose row is finished is measured again, or None to keep its row."""
+    if cfg.overwrite:
+        return "overwrite=true"
+    if row.status == "failed" and cfg.rerun_failed:
+        return "its row failed (rerun_failed=false keeps failed rows)"
+    if cfg.rerun_other_code and not same_code(row.git_commit, git_commit()):
+        return f"its row was made by other code (git_commit {row.git_commit}; rerun_other_code=true)"
+    return None
+
+
+def _kept(row) -> str:
+    """The progress line's outcome for a point whose row is kept."""
+    outcome = "already measured, skipped (overwrite=true re-runs it)"
+    if row.status == "failed":
+        outcome = "already measured: failed, kept (rerun_failed=false)"
+    if not same_code(row.git_commit, git_commit()):
+        outcome += f"; made by other code (git_commit {row.git_commit}; rerun_other_code=true re-measures it)"
+    return outcome
+
+
+def measure_planned(cfg, planned, parallelism: int = 1) -> None:
+    """One point alone (a group of one): kept, measured, or a skipped row when it cannot fit."""
+    measure_planned_group(PlannedGroup(planned.point.key[:12], [planned]), parallelism)
+
+
+def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> None:
+    """A group's members: each kept if its row is finished (and no rerun rule applies), a skipped row
+    if it cannot fit, else measured with the group; every row written whole, a progress line each."""
+    pending = []
+    for job in group.jobs:
+        finished = finished_row(job.config.results_dir, job.point.key)
+        reason = rerun_reason(finished, job.config) if finished is not None else "new"
+        if reason is None:
+            PROGRESS.done += 1
+            PROGRESS.statuses["already measured"] += 1
+            log.info(PROGRESS.line(job.point.label(), _kept(finished)))
+            continue
+        if finished is not None:
+            log.info(f"{job.point.label()}: measuring again: {reason}")
+        if job.does_not_fit is not None:
+            _write(job, not_run("skipped", job.does_not_fit), None, parallelism, seconds=None)
+        else:
+            pending.append(job)
+    if not pending:
+        return
+    # A finished reference is timed again beside the members that are not (its row is kept).
+    to_write = {job.point.key for job in pending}
+    timed = [job for job in group.jobs
+             if job.point.key in to_write or (could_be_reference(job.point) and job.does_not_fit is None)]
+    first = timed[0]
+    run = run_isolated if first.config.isolate else run_inline
+    roofs = roofs_for(first.config, first.point, run)
+    began = time.monotonic()
+    request = GroupRequest(group.group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
+    outcomes = run(measure_group, request)
+    if isinstance(outcomes, dict):  # the group's process failed or died: every member with it
+        outcomes = [dict(outcomes) for _ in timed]
+    seconds = (time.monotonic() - began) / len(pending)
+    for job, measured in zip(timed, outcomes):
+        if job.point.key in to_write:
+            if job.point.traffic == "ncu" and measured.get("status") == "ok":
+                measured.update(measured_traffic(job.point))
+            _write(job, measured, roofs, parallelism, seconds)
+
+
+def _write(job, measured: dict, roofs, parallelism: int, seconds: float | None) -> None:
+    row = build_row(job.point, measured, roofs, parallelism)
+    write_row(job.config.results_dir, row)
+    PROGRESS.done += 1
+    PROGRESS.written += 1
+    if seconds is not None and row["status"] != "skipped":
+        PROGRESS.measured_seconds.append(seconds)
+    PROGRESS.statuses[row["status"]] += 1
+    log.info(PROGRESS.line(job.point.label(), _outcome(row)))
+    warn_if_beaten(job.config, job.point, row)
+    if "traceback" in measured:
+        log.debug(measured["traceback"])

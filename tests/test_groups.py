@@ -1,0 +1,147 @@
+"""Strategies of one shape measured together: intervals, the rotation, the group's process, the plan's
+grouping, the runner's resume and the report's verdicts (device=cpu throughout)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.measure.group import GroupRequest, measure_group, rotation
+from harness.measure.intervals import median_interval, paired_ratio
+from harness.report.verdicts import compare, verdict
+from harness.run.groups import form_groups
+from harness.run.plan import plan
+from tests.conftest import QUICK_CALIBRATION, planned_point, run_cli
+
+PLUGIN = f"hydra.searchpath=[file://{Path(__file__).parent / 'plugin' / 'conf'}]"
+
+
+def test_median_interval_holds_the_median_and_narrows_with_more_rounds():
+    few = median_interval([1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.8, 1.0])
+    many = median_interval([1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.8, 1.0] * 8)
+    assert few.low <= few.median <= few.high
+    assert many.high - many.low < few.high - few.low
+    assert median_interval([2.0]) == median_interval([2.0])  # seeded: the same data, the same interval
+    assert median_interval([1.0, 3.0, 2.0]) == median_interval([1.0, 3.0, 2.0])
+
+
+def test_paired_ratio_sees_a_constant_factor_through_drift():
+    drift = [1.0, 1.4, 0.8, 1.9, 1.1, 0.7, 1.5, 1.2]  # the machine moving by 2.7x between rounds
+    slower = [1.05 * t for t in drift]
+    ratio = paired_ratio(slower, drift)
+    assert ratio.median == pytest.approx(1.05) and ratio.low == pytest.approx(1.05)
+    assert ratio.excludes(1.0)
+    unpaired = median_interval(slower).median / median_interval(drift).median
+    assert unpaired == pytest.approx(1.05)  # the medians agree, but their own intervals overlap widely
+    assert median_interval(slower).low < median_interval(drift).high
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_rotation_puts_every_member_in_every_slot():
+    members = 4
+    orders = [rotation(members, r) for r in range(2 * members)]
+    assert all(sorted(order) == list(range(members)) for order in orders)
+    for slot in range(members):
+        assert {order[slot] for order in orders} == set(range(members))
+    assert orders[1] == orders[0][::-1]
+
+
+@pytest.fixture(scope="module")
+def tiny_group():
+    names = ("paged", "contiguous", "no_cache", "quantized", "flash")  # contiguous not first: chosen by capability
+    points = tuple(dataclasses.replace(planned_point("model=tiny", f"strategy={name}", "ctx=16", "decode_tokens=6",
+                                                     "device=cpu"), interleave="shape") for name in names)
+    return dict(zip(names, measure_group(GroupRequest("g0", points))))
+
+
+def test_a_group_times_every_member_in_the_same_rounds(tiny_group):
+    ran = {name: row for name, row in tiny_group.items() if row["status"] == "ok"}
+    assert set(ran) == {"paged", "contiguous", "no_cache", "quantized"}
+    assert tiny_group["flash"]["status"] == "skipped" and tiny_group["flash"]["group_id"] == "g0"
+    for row in ran.values():
+        assert row["group_id"] == "g0" and row["group_size"] == 5 and row["rounds"] == 6
+        assert len(row["decode_step_times_s"]) == row["decode_steps_timed"] == 6
+        assert row["decode_step_ci_low_s"] <= row["decode_step_s"] <= row["decode_step_ci_high_s"]
+        assert row["roof_bandwidth_in_rounds_Bps"] > 0 and row["roof_in_rounds_kernel"] in ("aten", "packed", "c")
+        assert row["group_reference"] == "contiguous"
+        assert row["peak_memory_bytes"] > 0 and "own allocations" in row["peak_memory_method"]
+    assert ran["contiguous"]["ratio_to_reference"] is None
+    for name in ("paged", "no_cache", "quantized"):
+        assert ran[name]["ratio_ci_low"] <= ran[name]["ratio_to_reference"] <= ran[name]["ratio_ci_high"]
+    # exact members generate the reference's tokens even when interleaved with others
+    assert len({ran[name]["tokens_digest"] for name in ("paged", "contiguous", "no_cache")}) == 1
+    assert ran["quantized"]["top1_agreement"] is not None
+
+
+def test_a_member_that_fails_costs_the_others_nothing():
+    points = tuple(dataclasses.replace(planned_point("model=tiny", *strategy, "ctx=8", "decode_tokens=3", "device=cpu"),
+                                       interleave="shape")
+                   for strategy in (["strategy=contiguous"], ["strategy=contiguous", "strategy._target_=tests.failing.ExplodingStrategy"],
+                                    ["strategy=paged"]))
+    rows = measure_group(GroupRequest("g1", points))
+    assert [row["status"] for row in rows] == ["ok", "failed", "ok"]
+    assert "planted" in rows[1]["reason"]
+    assert rows[2]["ratio_to_reference"] is not None
+
+
+def _jobs(*overrides):
+    return plan(["-m", "model=tiny", "device=cpu", "ctx=8", "decode_tokens=2", *overrides], lambda: False).jobs
+
+
+def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
+    jobs = _jobs("strategy=contiguous,paged", "batch=1,2")
+    groups = form_groups(jobs, "shape", 1, seed=0)
+    assert [len(g.jobs) for g in groups] == [2, 2]
+    assert {p.batch for g in groups for p in g.points} == {1, 2}
+    assert all(len({p.batch for p in g.points}) == 1 and p.interleave == "shape" for g in groups for p in g.points)
+    alone = form_groups(jobs, "none", 1, seed=0)
+    assert len(alone) == 4 and all(p.interleave == "none" for g in alone for p in g.points)
+    assert {p.key for g in alone for p in g.points} == {job.point.key for job in jobs}  # keys as before
+    repeated = form_groups(jobs, "shape", 3, seed=0)
+    assert len(repeated) == 6 and sorted(p.repeat for g in repeated for p in g.points) == [0] * 4 + [1] * 4 + [2] * 4
+    assert len({p.key for g in repeated for p in g.points}) == 12
+
+
+def test_grouping_is_one_choice_per_command_line():
+    from harness.config import ConfigError
+
+    with pytest.raises(ConfigError, match="interleave"):
+        _jobs("strategy=contiguous", "interleave=shape,none")
+
+
+@pytest.mark.slow
+def test_a_sweep_writes_a_group_and_resumes_a_lost_member_beside_its_reference(results_dir):
+    args = ("-m", "model=tiny", "strategy=contiguous,paged,quantized", "ctx=16", "decode_tokens=4", "device=cpu",
+            QUICK_CALIBRATION, f"results_dir={results_dir}")
+    assert run_cli(*args).returncode == 0
+    rows = pd.read_parquet(results_dir)
+    assert len(rows) == 3 and rows["group_id"].nunique() == 1 and set(rows["interleave"]) == {"shape"}
+    lost = next(results_dir.glob("paged*.parquet"))
+    kept = {path.name: path.stat().st_mtime_ns for path in results_dir.glob("*.parquet") if path != lost}
+    lost.unlink()
+    again = run_cli(*args)
+    assert again.returncode == 0
+    assert {path.name: path.stat().st_mtime_ns for path in results_dir.glob("*.parquet") if path.name in kept} == kept
+    rows = pd.read_parquet(results_dir)
+    paged = rows[rows.strategy == "paged"].iloc[0]
+    assert paged["ratio_to_reference"] > 0 and paged["group_reference"] == "contiguous"
+    assert "already measured" in again.stdout + again.stderr
+
+
+def _rows(series_times: dict, group: str | None = "g") -> pd.DataFrame:
+    return pd.DataFrame([{"series": name, "group_id": group, "decode_step_times_s": times,
+                          "decode_step_s": sorted(times)[len(times) // 2]} for name, times in series_times.items()])
+
+
+def test_the_verdict_names_a_winner_only_where_its_interval_clears():
+    drift = [1.0, 1.3, 0.9, 1.6, 1.1, 0.8, 1.4, 1.2, 1.0, 1.5]
+    clear = verdict(_rows({"a": drift, "b": [1.05 * t for t in drift]}))
+    assert clear.fastest == "a" and clear.text.startswith("a (5% ahead of b")
+    noise = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.0, 1.02, 0.98]
+    tied = verdict(_rows({"a": drift, "b": [t * n for t, n in zip(drift, noise)]}))
+    assert tied.text.startswith("tie within") and "a" in tied.text and "b" in tied.text
+    apart = compare(_rows({"b": [1.05 * t for t in drift]}, group="g1"), _rows({"a": drift}, group="g2"))
+    assert not apart.paired and apart.tie and "measured apart" in apart.text()
