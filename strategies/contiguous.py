@@ -6,7 +6,7 @@ copies it; a step writes one position and attends over the filled prefix [0, len
 Attention kernels (`strategy.backend`):
 - `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
 - `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
-  the cache 1.5-1.8x as fast as SDPA's CPU kernel; the prompt still goes through SDPA. Where the
+  the cache faster than SDPA's CPU kernel (docs/performance.md); the prompt still goes through SDPA. Where the
   kernel cannot run, the point is skipped with the reason.
 - `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
 """
@@ -73,7 +73,7 @@ def resolve_c_or_sdpa(backend: str, device: torch.device, dtype: torch.dtype, sh
 class ContiguousStrategy(Strategy):
     name = "contiguous"
     backends = BACKENDS
-    compilable = True  # the C kernel is a custom op under torch.compile (strategies.cpu_kernel)
+    compilable = True  # the C kernel is a torch operator, which a compiled graph calls (strategies.cpu_kernel)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
         """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""

@@ -11,14 +11,11 @@ Pool layout, per backend (the kernel that reads the pool decides it):
 - `c` and `torch`: head-major, [n_blocks, n_kv, block_size, D], as vLLM's own CUDA paged-attention
   kernel keeps its K cache: one KV head's rows of a block are consecutive (block_size * D floats), so
   the C kernel walks each (sequence, KV head) as runs of whole rows, block after block. Token-major
-  (below) puts a head's consecutive rows n_kv * D floats apart; on it the previous C kernel took
-  1.19-1.21x the contiguous kernel's time at block 16 and 1.12-1.15x at 64, where head-major with the
-  lane kernel took 1.07-1.10x and 1.01-1.03x (B=16, n_kv=2, G=2, D=64, 8192 tokens, 2 cores;
-  docs/performance.md). Head dims 64 and 128 now take the path the contiguous kernel takes
-  (strategies/cpu_attention_fixed.h, 8 segments of a sequence read in lockstep), which made both
-  kernels faster: in the model's step 1.09-1.14x the new contiguous step at block 16 and 1.02-1.03x at
-  64. The gather (`torch`) copies each head's blocks as runs of block_size * D
-  floats, and SDPA then reads rows that are contiguous per head.
+  (below) puts a head's consecutive rows n_kv * D floats apart, which a C kernel read more slowly
+  (docs/performance.md). Head dims 64 and 128 take the path the contiguous kernel takes
+  (harness/kernels/csrc/cpu_attention_fixed.h, 8 segments of a sequence read in lockstep). The
+  gather (`torch`) copies each head's blocks as runs of block_size * D floats, and SDPA then reads
+  rows that are contiguous per head.
 - `flash_attn`: token-major, [n_blocks, block_size, n_kv, D]: flash_attn_with_kvcache's paged mode
   takes no other.
 
@@ -50,19 +47,16 @@ Attention kernels (`strategy.backend`):
 """
 from __future__ import annotations
 
-import ctypes
 import math
-from pathlib import Path
 
 import torch
 
 from harness.config import CacheLayout
-from harness.kernels.build import POINTER, SIZE, STRIDES, CKernel
+from harness.kernels.build import Kernel, ops
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
 from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
-from strategies.cpu_kernel import MAX_DIM, MAX_GROUP
 from strategies.flash import backend_unavailable as flash_attn_unavailable
 
 BACKENDS = ("c", "torch", "flash_attn")
@@ -70,12 +64,7 @@ BLOCK_ORDER_SEED = 0x9A6ED  # seeds the free list's shuffle: fixed, so every run
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV needs page_block_size % 256 == 0
 FILL_CHUNK_ELEMENTS = 4 * PIECE_ELEMENTS  # fill_random's staging buffer: 64 MB of fp32 at most
 
-PAGED_KERNEL = CKernel(Path(__file__).with_name("cpu_paged_attention.c"), {
-    # q, k_pool, k_strides, v_pool, v_strides, block_table, table_stride, out, batch, n_kv, group, length,
-    # block_size, dim, scale, threads
-    "paged_decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, SIZE, POINTER, SIZE, SIZE,
-                               SIZE, SIZE, SIZE, SIZE, ctypes.c_float, ctypes.c_int],
-})
+PAGED_KERNEL = Kernel("cpu_paged_attention.c")  # torch.ops.harness_kernels.paged_decode_attention
 GATHER_KERNEL = f"gather + {SDPA_KERNEL}"
 KERNELS = {
     "c": f"{PAGED_KERNEL.name} for decode steps, {GATHER_KERNEL} for the prompt",
@@ -88,10 +77,7 @@ def c_kernel_unavailable(device: torch.device, dtype: torch.dtype, shape=None) -
     """Why cpu_paged_attention.c cannot serve this device, dtype and model shape (None: any), or None."""
     reason = PAGED_KERNEL.unavailable(device, dtype)
     if reason is None and shape is not None:
-        group, head_dim = shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim
-        if group > MAX_GROUP or head_dim > MAX_DIM:  # the C source's MAX_GROUP and MAX_DIM, as contiguous's
-            reason = (f"{PAGED_KERNEL.source.name} takes at most {MAX_GROUP} query heads per KV head and "
-                      f"head_dim {MAX_DIM}; this model has {group} and {head_dim}")
+        reason = PAGED_KERNEL.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
     return reason
 
 
@@ -102,31 +88,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     columns are read) -> [B, n_kv, G, D].
 
     Softmax(q k^T / sqrt(D)) v over each sequence's positions 0..length-1, read through the table; the
-    caller has checked `c_kernel_unavailable`.
+    caller has checked `c_kernel_unavailable`. The operator checks its tensors (shapes, dtypes, that the
+    table can hold `length`) and raises with what is wrong.
     """
-    library = PAGED_KERNEL.library()
-    batch, n_kv, group, head_dim = q.shape
-    if group > MAX_GROUP or head_dim > MAX_DIM:
-        raise ValueError(f"{PAGED_KERNEL.source.name} takes at most {MAX_GROUP} query heads per KV head and head_dim {MAX_DIM}")
-    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
-        raise ValueError("pool rows must be contiguous")
-    if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
-        raise ValueError("the block table must be int32 with contiguous rows")
-    if k_pool.shape[1] != n_kv or v_pool.shape[1] != n_kv or k_pool.shape[2:] != v_pool.shape[2:]:
-        raise ValueError(f"pools {tuple(k_pool.shape)} and {tuple(v_pool.shape)} are not head-major "
-                         f"[n_blocks, {n_kv}, block_size, {head_dim}]")
-    block_size = k_pool.shape[2]
-    if block_table.shape[1] * block_size < length:
-        raise ValueError(f"a table of {block_table.shape[1]} blocks of {block_size} cannot hold {length} tokens")
-    q = q.contiguous()
-    out = torch.empty_like(q)  # [B, n_kv, G, D]
-    strides = ctypes.c_int64 * 3  # (block, head, row), in elements
-    library.paged_decode_attention(
-        q.data_ptr(), k_pool.data_ptr(), strides(*k_pool.stride()[:3]), v_pool.data_ptr(),
-        strides(*v_pool.stride()[:3]), block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
-        batch, n_kv, group, length, block_size, head_dim, head_dim**-0.5, torch.get_num_threads(),
-    )
-    return out
+    return ops().paged_decode_attention(q, k_pool, v_pool, block_table, length)  # checks its tensors
 
 
 def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -139,7 +104,7 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor, length: int) ->
     used = math.ceil(length / block_size)
     ids = block_table[:, :used].reshape(-1)  # [B * used] sequence-major
     gathered = torch.empty((n_kv, batch * used, block_size, head_dim), device=pool.device, dtype=pool.dtype)
-    for head in range(n_kv):  # per head: one index_select along dim 1 of pool.transpose(0, 1) ran 2x slower
+    for head in range(n_kv):  # per head: one index_select along dim 1 of pool.transpose(0, 1) is slower
         torch.index_select(pool[:, head], 0, ids, out=gathered[head])
     rows = gathered.view(n_kv, batch, used * block_size, head_dim)  # [n_kv, B, used * block_size, D]
     return rows[:, :, :length].transpose(0, 1)  # [B, n_kv, length, D]

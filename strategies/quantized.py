@@ -34,41 +34,26 @@ Attention kernels (`strategy.backend`):
 """
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 
 from harness.config import CacheLayout, ModelConfig
-from harness.kernels.build import POINTER, SIZE, STRIDES, CKernel
+from harness.kernels.build import EXTENSION, Kernel, ops
 from harness.model.random_fill import uniform_like_normal_
 from strategies import quantization
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
 from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
-from strategies.cpu_kernel import MAX_DIM, MAX_GROUP
 from strategies.quantization import FORMATS, KEY_AXES, QuantSpec
 
 BACKENDS = ("torch", "c")
-FORMAT_CODES = {"int8": 0, "int4": 1, "fp8_e4m3": 2}  # the C kernel's FORMAT_* constants
-QUANTIZED_KERNEL = CKernel(Path(__file__).with_name("cpu_quantized_attention.c"), {
-    # q, k_payload, k_strides, k_scales, k_scale_strides, v_payload, v_strides, v_scales, v_scale_strides,
-    # k_window, v_window, window_strides, out, batch, n_kv, group, quantized_length, window_length, dim,
-    # format, span, key_block, scale, threads
-    "quantized_decode_attention": [POINTER, POINTER, STRIDES, POINTER, STRIDES, POINTER, STRIDES, POINTER, STRIDES,
-                                   POINTER, POINTER, STRIDES, POINTER, SIZE, SIZE, SIZE, SIZE, SIZE, SIZE,
-                                   ctypes.c_int, SIZE, SIZE, ctypes.c_float, ctypes.c_int],
-    # x, x_strides, batch, n_kv, n, dim, format, span, payload, payload_strides, scales, scale_strides, start
-    "quantize_rows": [POINTER, STRIDES, SIZE, SIZE, SIZE, SIZE, ctypes.c_int, SIZE, POINTER, STRIDES, POINTER,
-                      STRIDES, SIZE],
-})
+QUANTIZED_KERNEL = Kernel("cpu_quantized_attention.c")  # torch.ops.harness_kernels.quantized_decode_attention
 FP8_NAN_CODE = 0x7F  # e4m3fn's NaN (with either sign); random payloads must avoid it
 
 
-def _strides(tensor: torch.Tensor | None):
-    """The first three strides as the C kernel takes them (zeros for an absent table)."""
-    return (ctypes.c_int64 * 3)(*(tensor.stride()[:3] if tensor is not None else (0, 0, 0)))
 
+def format_code(fmt: str) -> int:
+    """The kernels' code for a payload format (FORMAT_INT8, ... in the extension's constants)."""
+    return EXTENSION.constants[f"FORMAT_{fmt.upper()}"]
 
 class QuantizedLayerCache:
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype, spec: QuantSpec,
@@ -94,9 +79,9 @@ class QuantizedLayerCache:
             self.k_window = torch.zeros(*shape, residual, head_dim, device=device, dtype=dtype)  # [B, n_kv, R, D]
             self.v_window = torch.zeros(*shape, residual, head_dim, device=device, dtype=dtype)  # [B, n_kv, R, D]
         self.use_c_kernel = use_c_kernel
-        if use_c_kernel:  # fixed for the cache's life: built once, not per step
-            self._c_strides = [_strides(t) for t in (self.k_payload, self.k_scales, self.v_payload, self.v_scales,
-                                                     self.k_window)]
+        # The kernels' format code and span, fixed for the cache's life (read once, not per step).
+        self._c_format = format_code(fmt) if use_c_kernel else None
+        self._span = spec.span(head_dim)
 
     def tables(self) -> list[torch.Tensor]:
         return [t for t in (self.k_payload, self.v_payload, self.k_scales, self.v_scales, self.k_window,
@@ -119,9 +104,9 @@ class QuantizedLayerCache:
         end = start + k.shape[2]
         channel_keys = self.spec.key_axis == "channel"
         if self.use_c_kernel:
-            self._c_quantize(v, self.v_payload, self.v_scales, self._c_strides[2:4], start)
+            self._c_quantize(v, self.v_payload, self.v_scales, start)
             if not channel_keys:
-                self._c_quantize(k, self.k_payload, self.k_scales, self._c_strides[0:2], start)
+                self._c_quantize(k, self.k_payload, self.k_scales, start)
                 return
         else:
             v_payload, v_scales = self.spec.quantize_values(v)
@@ -135,20 +120,13 @@ class QuantizedLayerCache:
         else:
             self.k_scales[:, :, start:end] = k_scales
 
-    def _c_quantize(self, x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, strides, start: int) -> None:
-        """x [B, n_kv, n, D] quantized per token into rows start..start+n of payload and scales (C kernel)."""
+    def _c_quantize(self, x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, start: int) -> None:
+        """x [B, n_kv, n, D] quantized per token into rows start..start+n of payload and scales (C kernel,
+        which checks that they fit)."""
         x = x.float()
         if x.stride(-1) != 1:
             x = x.contiguous()
-        batch, n_kv, n, head_dim = x.shape
-        width = quantization.payload_width(self.spec.format, head_dim)
-        if start + n > payload.shape[2] or x.shape[:2] != payload.shape[:2] or width != payload.shape[3]:
-            raise ValueError(f"rows {start}..{start + n} of shape {tuple(x.shape)} do not fit the table "
-                             f"{tuple(payload.shape)}")
-        payload_strides, scale_strides = strides
-        QUANTIZED_KERNEL.library().quantize_rows(
-            x.data_ptr(), _strides(x), batch, n_kv, n, head_dim, FORMAT_CODES[self.spec.format],
-            self.spec.span(head_dim), payload.data_ptr(), payload_strides, scales.data_ptr(), scale_strides, start)
+        ops().quantize_rows_(x, payload, scales, self._c_format, self._span, start)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> int:
         """Store the new tokens' k/v [B, n_kv, T, D] at start_pos..; returns the filled length."""
@@ -210,22 +188,12 @@ class QuantizedLayerCache:
 
     def c_attention(self, q: torch.Tensor, length: int) -> torch.Tensor:
         """q [B, n_kv, G, D] fp32 -> [B, n_kv, G, D] over the first `length` tokens, in the C kernel."""
-        batch, n_kv, group, head_dim = q.shape
         quantized = self.quantized_length(length)
         window = length - quantized
-        q = q.contiguous()
-        out = torch.empty_like(q)  # [B, n_kv, G, D]
-        k_strides, k_scale_strides, v_strides, v_scale_strides, window_strides = self._c_strides
         spec = self.spec
-        QUANTIZED_KERNEL.library().quantized_decode_attention(
-            q.data_ptr(), self.k_payload.data_ptr(), k_strides, self.k_scales.data_ptr(), k_scale_strides,
-            self.v_payload.data_ptr(), v_strides, self.v_scales.data_ptr(), v_scale_strides,
-            self.k_window.data_ptr() if window else None, self.v_window.data_ptr() if window else None,
-            window_strides, out.data_ptr(), batch, n_kv, group, quantized, window, head_dim,
-            FORMAT_CODES[spec.format], spec.span(head_dim), spec.residual if spec.key_axis == "channel" else 0,
-            head_dim**-0.5, torch.get_num_threads(),
-        )
-        return out
+        return ops().quantized_decode_attention(
+            q, self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.k_window, self.v_window, quantized,
+            window, self._c_format, self._span, spec.residual if spec.key_axis == "channel" else 0)
 
     def fill_random(self, length: int, generator: torch.Generator) -> None:
         """Valid random payload and scales for tokens [0, length) (window: the rest, at full width).
@@ -322,10 +290,7 @@ class QuantizedStrategy(Strategy):
             return "torch"
         reason = QUANTIZED_KERNEL.unavailable(device, dtype)
         if reason is None and shape is not None:
-            group, head_dim = shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim
-            if group > MAX_GROUP or head_dim > MAX_DIM:
-                reason = (f"{QUANTIZED_KERNEL.source.name} takes at most {MAX_GROUP} query heads per KV head and "
-                          f"head_dim {MAX_DIM}; this model has {group} and {head_dim}")
+            reason = QUANTIZED_KERNEL.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
         if reason is None:
             return "c"
         if self.backend == "c":

@@ -97,7 +97,7 @@ class StaticFullStrategy(Strategy):
     name = "static_full"
     backends = ("sdpa", "c")
     # Fixed shapes are the layout's reason to exist: one graph for every position. The C kernel is the
-    # custom op harness::decode_attention under torch.compile (strategies.cpu_kernel).
+    # operator harness_kernels::decode_attention, eager and compiled alike (strategies.cpu_kernel).
     compilable = True
 
     def __init__(self, backend: str = "auto", max_len: int | None = None):

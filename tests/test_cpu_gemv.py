@@ -1,4 +1,4 @@
-"""The C small-batch linear (harness/model/cpu_gemv.c), device=cpu: aten's product at every edge of its
+"""The C small-batch linear (harness/kernels/csrc/cpu_gemv.c), device=cpu: aten's product at every edge of its
 tiling, independent of the thread count, and used only where it is meant to be; and the decoder block
 it runs in two calls, against the model's own."""
 from __future__ import annotations
@@ -168,6 +168,6 @@ def test_a_compiled_step_calls_the_two_block_ops():
         graphs = EagerAndRecordGraphs()
         torch.compile(session.step, backend=graphs, fullgraph=True)(torch.zeros(2, dtype=torch.int64))
     code = graphs.graphs[0].code
-    assert code.count("harness.attention_input") == TINY.n_layers
-    assert code.count("harness.attention_output_and_ffn_") == TINY.n_layers
+    assert code.count("harness_kernels.attention_input") == TINY.n_layers
+    assert code.count("harness_kernels.attention_output_and_ffn_") == TINY.n_layers
     assert code.count("torch.rms_norm(") == 1  # the final norm's: the blocks' norms run inside their ops

@@ -1,6 +1,12 @@
-"""The C decode-attention kernel (strategies/cpu_decode_attention.c) against SDPA, its build cache, and
-how `contiguous` chooses and names it."""
+"""The C decode-attention kernel (harness/kernels/csrc/cpu_decode_attention.c) against SDPA; the
+kernels' extension: its build cache, its constants, its operators' schemas and fake implementations;
+and how `contiguous` chooses and names the kernel."""
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,35 +92,63 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v), rtol=1e-4, atol=1e-4)
 
 
-def test_a_built_kernel_is_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
-    first = cpu_kernel.CONTIGUOUS_KERNEL.build("gcc")
-    built_at = first.stat().st_mtime_ns
-    assert cpu_kernel.CONTIGUOUS_KERNEL.build("gcc") == first and first.stat().st_mtime_ns == built_at
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+def test_a_built_extension_is_reused():
+    """A second process loads the cached build: nothing is compiled, nothing is added to the cache."""
+    assert cpu_kernel.unavailable(CPU, torch.float32) is None
+    folder = build.cache_dir() / f"{build.NAMESPACE}-{build.build_key(build.compiler())}"
+    library = folder / f"{build.NAMESPACE}.so"
+    built_at, entries = library.stat().st_mtime_ns, sorted(build.cache_dir().iterdir())
+    code = "import torch; from harness.kernels import build; assert build.EXTENSION.unavailable() is None"
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+    assert library.stat().st_mtime_ns == built_at and sorted(build.cache_dir().iterdir()) == entries
 
 
-def test_every_included_header_is_part_of_the_build_key(monkeypatch, tmp_path):
-    """A header included through another (vector.h through cpu_attention_fixed.h) keys the build too:
-    editing it builds the kernel again instead of loading a binary of the old code."""
-    kernel = build.CKernel(tmp_path / "probe.c", {})
-    (tmp_path / "probe.c").write_text('#include "local.h"\nvec twice(vec x) { return x + x; }\n')
-    (tmp_path / "local.h").write_text('#include "vector.h"\n')
-    assert kernel.headers() == [tmp_path / "local.h", build.INCLUDE_DIR / "vector.h"]
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
-    first = kernel.build("gcc")
-    edited = tmp_path / "edited"  # the shared header with one more line: another build
-    edited.mkdir()
-    (edited / "vector.h").write_text((build.INCLUDE_DIR / "vector.h").read_text() + "\n")
-    monkeypatch.setattr(build, "INCLUDE_DIR", edited)
-    assert kernel.build("gcc") != first
+def test_every_source_file_is_part_of_the_build_key(tmp_path):
+    """A header edited (vector.h, included through cpu_attention_fixed.h) keys another build instead of
+    loading a binary of the old code; so does another compiler."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, copy)
+    key = build.build_key("c++", copy)
+    assert key == build.build_key("c++", build.SOURCE_DIR)
+    (copy / "vector.h").write_text((copy / "vector.h").read_text() + "\n")
+    assert build.build_key("c++", copy) != key
+    assert build.build_key("g++", build.SOURCE_DIR) != key
 
 
 def test_a_failed_build_names_the_compiler_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
-    with pytest.raises(RuntimeError, match="false could not build cpu_decode_attention.c"):
-        cpu_kernel.CONTIGUOUS_KERNEL.build("false")
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="false could not build the kernels"):
+        build.build_and_load("false")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_constants_come_from_the_extension():
+    assert cpu_kernel.unavailable(CPU, torch.float32) is None
+    constants = build.EXTENSION.constants
+    assert constants["MAX_GROUP"] == 32 and constants["MAX_DIM"] == 512
+    assert sorted(constants[f"FORMAT_{name}"] for name in ("INT8", "INT4", "FP8_E4M3")) == [0, 1, 2]
+
+
+def test_the_operators_schemas_and_fake_implementations():
+    """torch.library.opcheck: each schema says what its operator mutates, and the Meta implementations
+    (what torch.compile's fake tensors run) give the CPU kernels' shapes."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 4, 64, generator=generator)  # [B, n_kv, G, D]
+    k, v = (torch.randn(2, 2, 40, 64, generator=generator) for _ in range(2))  # [B, n_kv, S, D]
+    kernels = build.ops()
+    torch.library.opcheck(kernels.decode_attention.default, (q, k, v, 30, 20))
+    torch.library.opcheck(kernels.gemv.default, (torch.randn(3, 64, generator=generator), torch.randn(40, 64)))
+    torch.library.opcheck(kernels.rms_norm.default, (torch.randn(3, 64, generator=generator), torch.ones(64), 1e-5))
+
+
+def test_a_bad_call_says_what_is_wrong():
+    assert cpu_kernel.unavailable(CPU, torch.float32) is None
+    q, k = torch.randn(1, 1, 64, 64), torch.randn(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="at most|1 to 32"):
+        cpu_kernel.decode_attention(q, k, k, 8)  # 64 query heads per KV head
+    with pytest.raises(RuntimeError, match="length"):
+        cpu_kernel.decode_attention(q[:, :, :4], k, k, 9)  # past the table
 
 
 def test_other_devices_and_dtypes_are_refused_with_the_reason():
@@ -142,6 +176,6 @@ def test_a_points_key_names_the_kernel_auto_chose(monkeypatch, tmp_path):
     with_kernel = point()
     assert with_kernel.strategy.backend == "c"
     assert point("dtype=bfloat16").strategy.backend == "sdpa"
-    monkeypatch.setitem(cpu_kernel.CONTIGUOUS_KERNEL.__dict__, "_loaded", "no C compiler (false) on PATH")
+    monkeypatch.setitem(build.EXTENSION.__dict__, "_loaded", "no C++ compiler (false) on PATH")
     without = point()
     assert without.strategy.backend == "sdpa" and without.key != with_kernel.key

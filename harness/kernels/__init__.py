@@ -1,1 +1,1 @@
-"""Native kernels: the C build and load every C kernel of the project goes through (harness.kernels.build)."""
+"""The CPU kernels: one torch C++ extension (csrc/), built on first use and loaded by harness.kernels.build."""

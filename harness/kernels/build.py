@@ -1,48 +1,65 @@
-"""Build and load the project's C kernels (`CKernel`): the attention reads under strategies/ and the
-model's small-batch linear (harness/model/cpu_gemv.c).
+"""Build and load the project's CPU kernels: one torch C++ extension whose operators are
+`torch.ops.harness_kernels.*` (the attention reads of the caching strategies, the model's small-batch
+linear and its decoder block in two calls; schemas in csrc/ops.cpp).
 
-Each kernel is one C file compiled on first use with the host's C compiler for the host's own
-instruction set (`-march=native`) and kept in a cache folder keyed by the source, its headers, the
-compiler, the flags and the CPU, so later processes load it in milliseconds and a different CPU never
-loads a binary built for another. Where it cannot be built (no compiler, a compile error)
-`CKernel.unavailable()` says why, and its caller runs another kernel under that kernel's name
-(`auto`) or records the point as skipped (the C kernel asked for by name).
+The sources are the files under harness/kernels/csrc/: one C++ translation unit per kernel, plain C
+that includes no torch header (kernels.h declares them and holds the constants they share), and
+ops.cpp, which registers each as an operator with TORCH_LIBRARY, a CPU implementation and a Meta one
+for torch.compile's fake tensors. Eager code and compiled graphs call the same operators; Python
+reads the constants from the extension (`constants`), never a copy.
 
-torch is imported before a library is loaded: the kernel's OpenMP calls then bind to the libgomp
-torch already loaded (same soname, libgomp.so.1, in torch's CPU wheels), so its parallel loop runs on
-torch's thread pool instead of a second pool competing with torch's for the same cores. Where a
-second OpenMP runtime gets loaded anyway (another compiler's, another torch build's), the kernel is
-declared unavailable with that reason.
+Built on first use by torch.utils.cpp_extension (ninja, `$CXX`, else `c++`) for the host's own
+instruction set (`-march=native`) and kept in a cache folder keyed by every file under csrc/, the
+compiler and its version, the flags, the CPU, torch and Python, so later processes load the library
+in milliseconds and a different CPU never loads a binary built for another. The build runs in a
+folder of its own and is renamed into place when it is complete: concurrent processes never load
+half a file, and a build that was killed leaves nothing another process waits on. Where it cannot be
+built (no compiler, no ninja, a compile error) `unavailable` says why, and its caller runs another
+kernel under that kernel's name (`auto`) or records the point as skipped (the kernel asked for by
+name).
+
+torch is imported before the library is loaded: its OpenMP calls then bind to the libgomp torch
+already loaded (same soname, libgomp.so.1, in torch's CPU wheels), so its parallel regions run on
+torch's thread pool instead of a second pool competing for the same cores. Where a second OpenMP
+runtime gets loaded anyway (another compiler's), the kernels are declared unavailable with that reason.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
-import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
-INCLUDE_DIR = Path(__file__).parent  # vector.h, the vector type every kernel shares (on the -I path)
-# Linked in a step of its own, without -ffast-math: with it, gcc links crtfastmath.o, whose constructor
-# sets flush-to-zero and denormals-are-zero for the whole process when the library loads, and every
-# torch op after that (weights, references, other strategies' points) would compute differently.
-LINK_FLAGS = ("-shared", "-fopenmp")
-CACHE_ENV = "HARNESS_KERNEL_CACHE"  # overrides the folder the compiled kernels are kept in
-POINTER, SIZE = ctypes.c_void_p, ctypes.c_int64
-STRIDES = ctypes.POINTER(ctypes.c_int64)
+NAMESPACE = "harness_kernels"  # the operators' namespace, and the library's name
+SOURCE_DIR = Path(__file__).with_name("csrc")  # every source and header of the extension
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+# Linked without -ffast-math: with it, gcc links crtfastmath.o, whose constructor sets flush-to-zero
+# and denormals-are-zero for the whole process when the library loads, and every torch op after that
+# (weights, references, other strategies' points) would compute differently.
+LINK_FLAGS = ("-fopenmp",)
+CACHE_ENV = "HARNESS_KERNEL_CACHE"  # overrides the folder the built extension is kept in
 
 
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decode-harness"
+
+
+def compiler() -> str:
+    """The C++ compiler the build uses: `$CXX` (torch.utils.cpp_extension reads it too), else `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
+def sources() -> list[Path]:
+    """The translation units: every .c and .cpp file under csrc/ (the .c files are built as C++)."""
+    return sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".c", ".cpp"))
 
 
 def _cpu_identity() -> str:
@@ -55,18 +72,54 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
 
 
-def _compiler_version(compiler: list[str]) -> str:
+def _compiler_version(command: list[str]) -> str:
     try:
-        return subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
+        return subprocess.run([*command, "--version"], capture_output=True, text=True, check=False).stdout
     except OSError:
         return ""
 
 
-def _run(command: list[str], compiler: str, source: Path) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        first_error = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
-        raise RuntimeError(f"{compiler} could not build {source.name}: {first_error[:200]}")
+def build_key(cxx: str, source_dir: Path = SOURCE_DIR) -> str:
+    """What a build depends on, hashed: every file under source_dir (name and text), the compiler and
+    its version, the flags, the CPU, torch's and Python's versions."""
+    files = sorted(path for path in source_dir.iterdir() if path.is_file())
+    identity = [*(f"{path.name}\n{path.read_text()}" for path in files), cxx, _compiler_version(shlex.split(cxx)),
+                *COMPILE_FLAGS, *LINK_FLAGS, _cpu_identity(), torch.__version__, sys.version]
+    return hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
+
+
+def _first_error(error: BaseException) -> str:
+    text = str(error)
+    if isinstance(error, subprocess.CalledProcessError) and error.output:
+        text = error.output.decode(errors="replace") if isinstance(error.output, bytes) else str(error.output)
+    lines = text.splitlines()
+    return next((line.strip() for line in lines if "error" in line.lower()), lines[0] if lines else repr(error))[:200]
+
+
+def build_and_load(cxx: str) -> Path:
+    """The extension's folder, built now unless a build for these sources, compiler, flags and CPU is
+    there; the library is loaded into this process either way (its operators appear in torch.ops)."""
+    target = cache_dir() / f"{NAMESPACE}-{build_key(cxx)}"
+    if (target / f"{NAMESPACE}.so").exists():
+        torch.ops.load_library(str(target / f"{NAMESPACE}.so"))
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    from torch.utils import cpp_extension  # imported only to build
+
+    try:
+        building.mkdir()
+        cpp_extension.load(NAMESPACE, [str(path) for path in sources()], extra_cflags=list(COMPILE_FLAGS),
+                           extra_ldflags=list(LINK_FLAGS), build_directory=str(building), is_python_module=False)
+        try:
+            building.rename(target)  # complete: later processes load it
+        except OSError:  # another process put its build there first; ours is loaded all the same
+            pass
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        raise RuntimeError(f"{cxx} could not build the kernels ({SOURCE_DIR.name}/): {_first_error(error)}") from error
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return target
 
 
 def _openmp_runtimes() -> set[str]:
@@ -79,84 +132,65 @@ def _openmp_runtimes() -> set[str]:
     return {line.split()[-1] for line in maps if any(name in line.rsplit("/", 1)[-1] for name in names)}
 
 
-class CKernel:
-    """One C source, compiled on first use, with the argument types of its functions."""
-
-    def __init__(self, source: Path, signatures: dict[str, list]):
-        self.source = source  # the .c file, shipped as package data beside the module that calls it
-        self.signatures = signatures  # exported function -> ctypes argument types (all return void)
-        self.name = f"{source.name} (fp32, OpenMP)"  # how rows name it
-
-    def headers(self) -> list[Path]:
-        """Every header the source includes (`#include "name.h"`), directly or through another, found
-        beside the source or in harness/kernels/ as the compiler finds them: part of the build's key."""
-        found: list[Path] = []
-        pending = [self.source]
-        while pending:
-            text = pending.pop().read_text()
-            for name in re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE):
-                header = next((folder / name for folder in (self.source.parent, INCLUDE_DIR)
-                               if (folder / name).exists()), self.source.with_name(name))
-                if header not in found:
-                    found.append(header)
-                    pending.append(header)
-        return found
-
-    def build(self, compiler: str) -> Path:
-        """The compiled library, built now unless a build for this source, compiler, flags and CPU exists."""
-        command = shlex.split(compiler)  # CC may carry a wrapper: "ccache gcc"
-        identity = [self.source.read_bytes().decode(), *(header.read_text() for header in self.headers()), compiler,
-                    _compiler_version(command), *COMPILE_FLAGS, *LINK_FLAGS, _cpu_identity()]
-        key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
-        target = cache_dir() / f"{self.source.stem}-{key}.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built under names of their own and renamed: concurrent point processes never load half a file.
-        temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        object_file = temporary.with_name(temporary.name + ".o")
-        try:
-            _run([*command, *COMPILE_FLAGS, "-I", str(INCLUDE_DIR), str(self.source), "-o", str(object_file)], compiler,
-                 self.source)
-            _run([*command, *LINK_FLAGS, str(object_file), "-o", str(temporary), "-lm"], compiler, self.source)
-            os.replace(temporary, target)
-        finally:
-            object_file.unlink(missing_ok=True)
-            temporary.unlink(missing_ok=True)
-        return target
+class Extension:
+    """The extension, loaded on first use, once per process."""
 
     @functools.cached_property
-    def _loaded(self) -> ctypes.CDLL | str:
-        """The loaded library, or the reason it cannot be had (once per process)."""
-        compiler = os.environ.get("CC", "gcc")
-        if not compiler.strip() or shutil.which(shlex.split(compiler)[0]) is None:
-            return f"no C compiler ({compiler}) on PATH to build {self.source.name}"
+    def _loaded(self) -> str | None:
+        """None once the operators are registered, else why they cannot be."""
+        cxx = compiler()
+        if not cxx.strip() or shutil.which(shlex.split(cxx)[0]) is None:
+            return f"no C++ compiler ({cxx}) on PATH to build the kernels"
         try:
-            library = ctypes.CDLL(str(self.build(compiler)))
+            build_and_load(cxx)
         except (RuntimeError, OSError) as error:
             return str(error)
         runtimes = _openmp_runtimes()
         if len(runtimes) > 1:  # e.g. a clang build pulling in libomp beside torch's libgomp
-            return (f"{self.source.name} loaded a second OpenMP runtime ({', '.join(sorted(runtimes))}): its "
-                    "threads would compete with torch's for the cores; build it with the compiler torch's "
-                    "runtime matches (gcc)")
-        for function, argtypes in self.signatures.items():
-            getattr(library, function).argtypes = argtypes
-            getattr(library, function).restype = None
-        return library
+            return (f"the kernels loaded a second OpenMP runtime ({', '.join(sorted(runtimes))}): their threads "
+                    "would compete with torch's for the cores; build them with the compiler torch's runtime "
+                    "matches (gcc)")
+        return None
 
-    def library(self) -> ctypes.CDLL:
-        """The loaded library; call `unavailable` first."""
-        loaded = self._loaded
-        if isinstance(loaded, str):
-            raise RuntimeError(loaded)
-        return loaded
+    def unavailable(self) -> str | None:
+        """Why the operators cannot be had here, or None once they are registered."""
+        return self._loaded
+
+    @functools.cached_property
+    def constants(self) -> dict[str, int]:
+        """The kernels' constants by name (kernels.h), as the extension reports them; call `unavailable` first."""
+        names, values = getattr(torch.ops, NAMESPACE).constants()
+        return dict(zip(names, values))
+
+
+EXTENSION = Extension()
+
+
+class Kernel:
+    """One kernel of the extension, as strategies and rows name it."""
+
+    def __init__(self, source: str):
+        self.source = source  # its file under csrc/
+        self.name = f"{source} (fp32, OpenMP)"  # how rows name it
 
     def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why the kernel cannot run for this device and dtype, or None when it can."""
         if device.type != "cpu":
-            return f"{self.source.name} is a CPU kernel; this point runs on {device.type}"
+            return f"{self.source} is a CPU kernel; this point runs on {device.type}"
         if dtype != torch.float32:
-            return f"{self.source.name} is written for float32; dtype is {str(dtype).removeprefix('torch.')}"
-        loaded = self._loaded
-        return loaded if isinstance(loaded, str) else None
+            return f"{self.source} is written for float32; dtype is {str(dtype).removeprefix('torch.')}"
+        return EXTENSION.unavailable()
+
+    def shape_unsupported(self, group: int, head_dim: int) -> str | None:
+        """Why an attention kernel cannot take `group` query heads per KV head of width `head_dim`, or
+        None; the limits are the extension's (call `unavailable` first)."""
+        most_group, most_dim = EXTENSION.constants["MAX_GROUP"], EXTENSION.constants["MAX_DIM"]
+        if group > most_group or head_dim > most_dim:
+            return (f"{self.source} takes at most {most_group} query heads per KV head and head_dim {most_dim}; "
+                    f"this model has {group} and {head_dim}")
+        return None
+
+
+def ops():
+    """The operators, `torch.ops.harness_kernels` (call `unavailable` first)."""
+    return getattr(torch.ops, NAMESPACE)

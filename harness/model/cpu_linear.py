@@ -1,17 +1,17 @@
-"""oneDNN-packed linear layers: the CPU matmul path that reaches this machine's bandwidth.
+"""oneDNN-packed linear layers: the CPU matmul path for batches the C small-batch linear does not take.
 
-A decode step is a handful of skinny matmuls (batch rows against a whole weight matrix). Measured on
-the 2-core AMD EPYC CI machine (fp32, 14336x4096 weight, best of 5): aten's `F.linear` (MKL) moved
-19.5 GB/s at batch 1 but fell to 4 GB/s at batch 4 and ran at 52 GFLOP/s at batch 32, while oneDNN
-with the weight reordered once into its blocked layout (what torch.compile's CPU freezing does)
-moved 26 GB/s at batch 1, 21 GB/s at batch 4 and ran at 115 GFLOP/s at batch 32. The reorder happens
-once per point, before timing; the math is the same matmul, so outputs agree to rounding and every
-strategy's tokens still equal the reference's (tests/test_exactness.py).
+A decode step is a handful of skinny matmuls (batch rows against a whole weight matrix). aten's
+`F.linear` (MKL) reads such a weight well at one row but falls behind at a few rows and at larger
+batches, while oneDNN with the weight reordered once into its blocked layout (what torch.compile's
+CPU freezing does) keeps up across batch sizes (docs/performance.md has the figures of the machines
+it was measured on). The reorder happens once per point, before timing; the math is the same
+matmul, so outputs agree to rounding and every strategy's tokens still equal the reference's
+(tests/test_exactness.py).
 
-On the 2-core Xeon VM that measured the C small-batch linear (harness.model.cpu_gemv), oneDNN read
-the same small matrices at 13-15 GB/s, so `matmul=auto` picks the C kernel on a CPU in fp32 where it
-builds, oneDNN where that supports the dtype (its bf16 path needs AVX-512 or AVX-NE-CONVERT), aten
-otherwise; rows record which kernel ran in `matmul_kernel`.
+`matmul=auto` picks the C small-batch linear (harness.model.cpu_gemv) on a CPU in fp32 where it
+builds, since it read the small matrices of a decode step faster than oneDNN where both were
+measured; else oneDNN where that supports the dtype (its bf16 path needs AVX-512 or AVX-NE-CONVERT),
+aten otherwise; rows record which kernel ran in `matmul_kernel`.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, out_features: i
 
 # `harness::packed_linear`: the same oneDNN call as an opaque kernel of a torch.compile graph. Registered
 # through torch.library.Library rather than custom_op: its calls cost a dispatch, not custom_op's
-# Python wrapper (measured several times the dispatch on this machine, paid 33 times a step).
+# Python wrapper, which costs several times as much and is paid for every linear of a step.
 _LIBRARY = torch.library.Library("harness", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, int out_features) -> Tensor")
 _LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")

@@ -1,9 +1,9 @@
 /* Decode attention over a paged fp32 KV cache on a CPU: one query position per sequence, GQA, keys and
  * values read in place through each sequence's block table (no gather copy).
  *
- * Built and loaded by harness/kernels/build.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp,
- * linked without -ffast-math); used by `paged` for its decode steps on a CPU in fp32
- * (strategy.backend=auto|c).
+ * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operator
+ * harness_kernels::paged_decode_attention (ops.cpp); used by `paged` for its decode steps on a CPU in
+ * fp32 (strategy.backend=auto|c).
  *
  * Layout: head-major pools [n_blocks, n_kv, block_size, D] for K and for V (vLLM's CUDA kernel keeps K
  * head-major too; `paged` keeps flash_attn's token-major pools only for flash_attn), passed with their
@@ -14,13 +14,11 @@
  * Head dimensions 64 and 128 (Llama 3's is 128) take cpu_attention_fixed.h, the path the contiguous
  * kernel takes too, with rows found through the table: one task per (sequence, KV head) reading 8
  * segments of its sequence in lockstep, so 8 streams are in flight per core (keys, then values),
- * each run of consecutive keys resolved through the table once. That replaced the lanes below for
- * those widths: at B=16, n_kv=2, G=2, D=64, 8192 tokens, in the model's step (three runs), 1.09-1.14x
- * the (now faster) contiguous step at block 16 and 0.85-1.03x at 64, where the lanes measured 1.29x
- * and 1.21x of it. What is left at block 16 is the scatter, as below, and on 4 KiB pages it is page
- * walks: each block of a shuffled pool is a page of its own whose table entry is scattered too; with
- * both tables on 2 MiB pages paged16 ran at 1.075x and paged64 at 0.98x the contiguous kernel, against
- * 1.22x and 1.09x on 4 KiB pages (prefetching the next blocks ahead did not help: it needs the same walks).
+ * each run of consecutive keys resolved through the table once. What a paged read costs beyond the
+ * contiguous kernel's is the scatter (below), and on 4 KiB pages page walks: each block of a shuffled
+ * pool is a page of its own whose table entry is scattered too; on 2 MiB pages most of the gap goes
+ * (prefetching the next blocks ahead does not help: it needs the same walks). docs/performance.md
+ * has the ratios to the contiguous kernel, by block size and page size, where they were measured.
  *
  * Any other head dimension: the structure of cpu_decode_attention.c's generic path: an online softmax over
  * chunks of CHUNK keys, each key and value row read from memory once; the G dot products of a key row
@@ -36,14 +34,13 @@
  *   order (an identity table) a task per sequence matched the contiguous kernel, and through a
  *   shuffled table every block is a jump to another page, where the hardware prefetchers (which
  *   stay within 4 KiB pages) start over and the TLB misses (2 MiB pages took about half the gap
- *   away); more streams in flight per core hide the restarts. One task per pair (the contiguous
- *   kernel's split, one K and one V stream per core) measured 1.19-1.26x the contiguous kernel's
- *   time on the same cache at block 16 and 1.12-1.17x at 64; runs of 2 lanes 1.10-1.13x and
- *   1.05-1.08x; 4 lanes 1.06-1.10x and 1.00-1.03x; 8 lanes were slower again, 1.21-1.24x and
- *   1.10-1.15x (each lane's chunk of values is in flight in L1 at once). B=16, n_kv=2, G=2, D=64,
- *   8192 tokens, 2 cores (docs/performance.md). Rows of D=128 are twice as wide: LANE_FLOATS caps
- *   the floats a step of all lanes reads (4 lanes at D=64, 2 at 128: 1.03-1.08x at block 16 and
- *   1.00-1.03x at 64 at the 8B shape, 1 x 8 x 128).
+ *   away); more streams in flight per core hide the restarts. Against one task per pair (the contiguous
+ *   kernel's split, one K and one V stream per core), runs of 2 and 4 lanes read a shuffled pool
+ *   faster and runs of 8 slower again (each lane's chunk of values is in flight in L1 at once); for
+ *   example, on a 2-core Xeon VM at B=16, n_kv=2, G=2, D=64, 8192 tokens (docs/performance.md): 1.19-1.26x
+ *   the contiguous kernel's time at block 16 for one lane, 1.06-1.10x for 4, 1.21-1.24x for 8. Rows of
+ *   D=128 are twice as wide: LANE_FLOATS caps the floats a step of all lanes reads (4 lanes at D=64, 2
+ *   at 128).
  *   The run is as long as the threads allow (lanes_per_task). Each (pair, query) row is computed in
  *   the same order whatever the run, so outputs do not depend on the thread count.
  */
@@ -52,12 +49,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h" /* MAX_GROUP (here also the most query rows of a task: G per lane), MAX_DIM */
+
 #define CHUNK 64        /* keys per online-softmax step: a chunk's scores (MAX_GROUP x CHUNK floats) stay in L1 */
-#define MAX_GROUP 32    /* most query rows of a task: G per lane (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
-#define MAX_DIM 512     /* largest head dimension (Llama 3: 128) */
 #define MAX_LANES 8     /* most (sequence, KV head) pairs a task walks in step */
 #define LANE_FLOATS 256 /* a task's lanes read at most this many floats per row step (4 lanes of D=64) */
-#define PREFETCH 8      /* rows ahead (per lane) whose keys are prefetched: 4 to 12 measured alike */
+#define PREFETCH 8      /* rows ahead (per lane) whose keys are prefetched: 4 to 12 read alike */
 
 #include "cpu_attention_fixed.h" /* the fixed-width path (head dimensions 64 and 128), shared with contiguous */
 

@@ -1,8 +1,8 @@
-/* The vector type every C kernel of the project computes with, and its LANES-at-once horizontal sum (the attention reads under strategies/,
- * the model's small-batch linear): as wide as the machine's registers (AVX-512: 16 floats, AVX: 8,
- * else 4), in GCC's vector extensions, so one source compiles to each ISA with -march=native. A 16-float
- * vector on an AVX2 machine, two registers each, spilled and ran at a third of the speed.
- * Found through -I (harness/kernels/build.py puts this folder on every kernel's include path). */
+/* The vector type the fp32 kernels compute with (cpu_decode_attention.c, cpu_paged_attention.c through
+ * cpu_attention_fixed.h, cpu_gemv.c), and its LANES-at-once horizontal sum: as wide as the machine's
+ * registers (AVX-512: 16 floats, AVX: 8, else 4), in GCC's vector extensions, so one source compiles
+ * to each ISA with -march=native. A 16-float vector on an AVX2 machine takes two registers each and
+ * spills. */
 #ifndef HARNESS_VECTOR_H
 #define HARNESS_VECTOR_H
 

@@ -1,20 +1,18 @@
 /* The fixed-width decode attention both CPU kernels share (cpu_decode_attention.c for contiguous
  * tables, cpu_paged_attention.c for paged pools), for head dimensions 64 and 128.
  *
- * Included by those sources, which define MAX_GROUP and MAX_DIM first. Why it is shaped this way
- * (measured on a 2-core Xeon VM, docs/performance.md):
+ * Included by those sources (kernels.h defines MAX_GROUP and MAX_DIM). Why it is shaped this way
+ * (docs/performance.md has the measurements):
  * - Compute. Rows are handled as register-wide vectors (LANES floats) in loops of a constant trip
  *   count, and the dot products of LANES keys are reduced together by a transpose tree instead of one
- *   horizontal sum per key and query head: on a cache-resident table that doubled the rate of the
- *   previous kernels, which were compute-bound at 15-16 GB/s. Built for AVX2 only (-march=haswell on
- *   the same machine) it read 20.0 against the previous kernel's 17.4 GB/s (D=64, G=2) and 14.3
- *   against 12.1 (D=128, G=4).
- * - Memory-level parallelism. One core reading one stream reached 16-20 GB/s here, reading 4 or more
- *   streams interleaved every <= 1 KB 25-28 GB/s; software prefetch did not close that gap. So a block
+ *   horizontal sum per key and query head: kernels with a horizontal sum per key were compute-bound
+ *   on a cache-resident table, in AVX-512 and AVX2 builds alike.
+ * - Memory-level parallelism. One core reading one stream reads markedly slower than one reading 4 or
+ *   more streams interleaved every <= 1 KB, and software prefetch does not close that gap. So a block
  *   is not BLOCK consecutive keys: the keys are split into STREAMS equal segments and a block takes
  *   BLOCK / STREAMS keys from each, in chunks of CHUNK_BYTES that alternate between the segments (8
- *   segments of 512 B chunks measured 5-10% faster than 4 of 1 KB, 2 segments slower). Softmax does not
- *   care in which order keys are summed, so this changes only the rounding (~1e-7).
+ *   segments of 512 B chunks read faster than 4 of 1 KB, 2 segments slower). Softmax does not care in
+ *   which order keys are summed, so this changes only the rounding (~1e-7).
  * - A row is found through kv_rows: a contiguous table, or a paged pool and its block table, resolved
  *   once per run of consecutive keys (one division, then a cursor).
  * `visible` masks keys visible..length-1 (weight exactly 0) while still reading them: static_full.
@@ -27,10 +25,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vector.h" /* LANES, vec, load_vec, store_vec, sum_lanes (harness/kernels/vector.h) */
+#include "vector.h" /* LANES, vec, load_vec, store_vec, sum_lanes */
 
 #define BLOCK 64         /* keys per online-softmax block: its scores (MAX_GROUP x BLOCK floats) stay in L1 */
-#define STREAMS 8        /* segments read in lockstep (a pure read: 1 stream 16-20 GB/s, 4 or more 25-28) */
+#define STREAMS 8        /* segments read in lockstep: a core reads 4 or more streams faster than one */
 #define CHUNK_BYTES 512  /* bytes read from one segment before the next (4 KB chunks lost the gain) */
 #define MASKED (-FLT_MAX) /* a masked key's score: finite, as -ffast-math assumes no infinities */
 
@@ -47,7 +45,7 @@ static inline float online_softmax(float *scores, int64_t n, float *running_max,
     *running_max = block_max;
     if (weight_mask != NULL) {
         /* A masked weight is exactly 0. Its exponent is clamped first: libmvec's vector expf leaves for
-         * a scalar fallback on arguments far below its range (measured 30% slower). */
+         * a scalar fallback on arguments far below its range, which is slower. */
 #pragma omp simd reduction(+ : block_sum)
         for (int64_t j = 0; j < n; j++) {
             scores[j] = weight_mask[j] * expf(fmaxf(scores[j] - block_max, -87.0f));

@@ -1,7 +1,8 @@
 /* Decode attention over a quantized KV cache on a CPU (int8, int4, fp8 e4m3), fp32 compute, GQA.
  *
- * Built and loaded by harness/kernels/build.py (CKernel, same flags as cpu_decode_attention.c); used
- * by `quantized` (strategies/quantized.py) for its decode steps on a CPU in fp32.
+ * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operators
+ * harness_kernels::quantized_decode_attention and quantize_rows_ (ops.cpp); used by `quantized`
+ * (strategies/quantized.py) for its decode steps on a CPU in fp32.
  *
  * Why dequantize in the kernel: a quantized cache is worth having because a step reads 1 (int8, fp8)
  * or 0.5 (int4) bytes per cached element instead of 4. Dequantizing the prefix into an fp32 copy first
@@ -15,13 +16,13 @@
  * (AVX-512, else AVX2; head widths of multiples of 32) does the least per code it can (see "The vector
  * path" below): no dequantized tile, scales applied to the dot products and folded into the softmax
  * weights, int4 decoded by a permute from a 16-entry table, tiles of rows x heads whose sums share one
- * transposing reduction, its own vector exp, prefetch spread over the rows. Measured on the 2-core Xeon
- * here at B=16, n_kv=2, G=2, D=64, 4096 tokens (best of 20, against cpu_decode_attention.c's 4.2-4.5
- * ms): int8 1.3-1.4 ms (3.2x), int4 1.15-1.35 ms (3.4-3.8x), fp8 1.4-1.6 ms (2.8-3.0x); the tile
- * version before it took 2.3-2.7 ms. Other head widths and int4 groups take the generic path
- * (cpu_decode_attention.c's block routines, copied: each kernel is one source, and its build key hashes
- * that source alone). quantize_rows (at the end) is the write side: a step's new rows quantized as
- * strategies/quantization.py does, bit for bit.
+ * transposing reduction, its own vector exp, prefetch spread over the rows (docs/performance.md has
+ * its times against cpu_decode_attention.c's on the same tokens). Other head widths and int4 groups
+ * take the generic path: block routines of the same structure as cpu_decode_attention.c's generic
+ * path, with a dequantized tile in between; its vector primitives are this file's own (intrinsics
+ * for the codes' conversions, which GCC's vector extensions in vector.h do not express), and need
+ * AVX2 with F16C and FMA, else the generic path runs. quantize_rows (at the end) is the write side: a
+ * step's new rows quantized as strategies/quantization.py does, bit for bit.
  *
  * Layout (strategies/quantization.py): payload rows of one (sequence, head) at a byte stride; int8 and
  * fp8 one byte per channel; int4 channel 2i in the low nibble of byte i and 2i + 1 in the high one,
@@ -33,13 +34,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h" /* MAX_GROUP, MAX_DIM, the FORMAT_* codes */
+
 #define BLOCK 64          /* rows per block of the vector path (scores: MAX_GROUP x BLOCK floats, in L1) */
 #define GENERIC_BLOCK 32  /* rows per block of the generic path: a dequantized tile (x D floats) stays in L1 */
-#define MAX_GROUP 32      /* most query heads per KV head, as cpu_decode_attention.c */
-#define MAX_DIM 512       /* largest head dimension, as cpu_decode_attention.c */
-#define PREFETCH 64       /* rows to prefetch ahead, K and V (16 left a block's short compute waiting on DRAM) */
+#define PREFETCH 64       /* rows to prefetch ahead, K and V (16 leaves a block's short compute waiting on DRAM) */
 
-enum { FORMAT_INT8 = 0, FORMAT_INT4 = 1, FORMAT_FP8_E4M3 = 2 }; /* strategies/quantized.py FORMAT_CODES */
 
 /* e4m3fn by code: sign bit 7, exponent bits 6..3 (bias 7), mantissa bits 2..0, exponent 0 subnormal
  * (m x 2^-9). 0x7f/0xff are NaN in e4m3fn: quantization clamps to +-448 and never writes them, and
@@ -734,7 +734,7 @@ void quantized_decode_attention(const float *q, const uint8_t *k_payload, const 
                                 int64_t window_length, int64_t dim, int format, int64_t span, int64_t key_block,
                                 float scale, int threads) {
     /* Tasks handed out one at a time: equal work, but on a shared machine one core is often slowed for a
-     * while (10-15% faster at the benchmarks' 32 tasks on 2 threads than a static split). */
+     * while, and a static split then waits for it. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < batch * n_kv; task++) {
         int64_t b = task / n_kv, h = task % n_kv;
@@ -751,7 +751,7 @@ void quantized_decode_attention(const float *q, const uint8_t *k_payload, const 
 
 /* ---- Quantizing a step's new rows (QuantizedLayerCache._store, token-axis scales): what
  * strategies/quantization.py's quantize_per_token computes, bit for bit, in one call instead of ~12
- * torch ops per table (~1.5 ms a step at 4 layers). Compiled without -ffast-math: x / s and amax / max
+ * torch ops per table. Compiled without -ffast-math: x / s and amax / max
  * are IEEE divisions (as torch's), not products with a reciprocal. ---- */
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")

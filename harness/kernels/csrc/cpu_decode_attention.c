@@ -1,14 +1,15 @@
 /* Decode attention over a contiguous fp32 KV cache on a CPU: one query position per sequence, GQA.
  *
- * Built and loaded by harness/kernels/build.py (gcc -O3 -march=native -ffast-math -fopenmp, linked
- * without -ffast-math so loading it leaves the process's floating-point mode alone); used by
- * `contiguous` and `dynamic` for their decode steps on a CPU in fp32, and by `static_full` over its
- * whole table with a mask (strategy.backend=auto|c).
+ * A C++ translation unit of the kernels' extension (harness/kernels/build.py: -O3 -march=native
+ * -ffast-math -fopenmp, linked without -ffast-math so loading it leaves the process's floating-point
+ * mode alone), the operator harness_kernels::decode_attention (ops.cpp); used by `contiguous` and
+ * `dynamic` for their decode steps on a CPU in fp32, and by `static_full` over its whole table with a
+ * mask (strategy.backend=auto|c).
  *
  * Why a kernel of our own: with a GQA group of G query heads per KV head, decode attention does G
- * multiply-adds per cached value, 2 FLOP/B at G = 4, so reading the cache at the machine's ~30 GB/s
- * needs ~60 GFLOP/s from G-row matrix products. SDPA's CPU kernel (G-row GEMMs through the BLAS)
- * read 8-12 GB/s on the 2-core EPYC here; this one reads 17-25 GB/s (docs/performance.md).
+ * multiply-adds per cached value, 2 FLOP/B at G = 4, so reading the cache at DRAM speed needs tens of
+ * GFLOP/s from G-row matrix products, which SDPA's CPU kernel (G-row GEMMs through the BLAS) does not
+ * reach; docs/performance.md has the two kernels' read rates on the machines they were measured on.
  *
  * How: one task per (sequence, KV head), spread over torch's OpenMP threads. A task walks its keys in
  * blocks of BLOCK with an online softmax (FlashAttention's running max and sum), so each key and value
@@ -28,9 +29,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_GROUP 32  /* most query heads per KV head (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
-#define MAX_DIM 512   /* largest head dimension (Llama 3: 128) */
-#define PREFETCH 16   /* key rows the generic path prefetches ahead (none: 9 GB/s per core) */
+#include "kernels.h" /* MAX_GROUP, MAX_DIM */
+
+#define PREFETCH 16   /* key rows the generic path prefetches ahead (without it one core reads far slower) */
 
 #include "cpu_attention_fixed.h" /* BLOCK, MASKED and the fixed-width path (head dimensions 64 and 128) */
 

@@ -3,31 +3,33 @@
  * and, at the end, a decoder block's few-row calls built from it: the RMSNorm, RoPE, SwiGLU's activation
  * and the residual adds between its linears, in two parallel regions a block.
  *
- * Built and loaded by harness/kernels/build.py (CKernel: gcc -O3 -march=native -ffast-math -fopenmp);
- * called by harness/model/cpu_gemv.py. Why it is shaped this way (measured on a 2-core Xeon VM, the
- * 33 linears of a cpu_small step in a row, docs/performance.md):
+ * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operators
+ * harness_kernels::gemv, rms_norm, attention_input and attention_output_and_ffn_ (ops.cpp); called by
+ * harness/model/cpu_gemv.py. Why it is shaped this way (docs/performance.md has the measurements, the
+ * 33 linears of a cpu_small step in a row):
  * - A decode step's linears are a weight read: each weight float meets only `rows` inputs. MKL's sgemv
- *   (aten) and oneDNN's packed kernel read the 1-6 MB matrices of a small model at 13-15 GB/s, far
- *   below what the same cores read in parallel streams. One core reading one stream reached 16-20 GB/s
- *   here and 4 or more streams interleaved 25-28 GB/s. So a thread's rows are split into STREAMS equal
+ *   (aten) and oneDNN's packed kernel read the few-MB matrices of a small model well below what the
+ *   same cores read in parallel streams, and one core reading one stream reads markedly slower than
+ *   one reading 4 or more interleaved streams. So a thread's rows are split into STREAMS equal
  *   segments and it walks them in lockstep: one vector of row i of every segment in turn, each row a
  *   stream of its own.
  * - Each weight vector is loaded once per tile of up to TILE input rows and multiplied into a register
  *   accumulator per (stream, input row): 6 x 4 = 24 vectors, which with the 4 inputs and the weight fit
- *   AVX-512's 32 registers. 8 x 4 spilled and ran 5-20% slower at 8-16 rows; 6 x 4 was also within 5%
- *   of the best of six splits in an AVX2 build (16 registers). More input rows are further tiles over
- *   the same weight rows, which are then in L1 or L2.
- * - The STREAMS x TILE horizontal sums go LANES at a time through vector.h's transpose tree (2-5%
- *   faster than a scalar chain per output at 1-4 rows).
+ *   AVX-512's 32 registers (8 x 4 spills); 6 x 4 was also among the fastest splits in an AVX2 build
+ *   (16 registers). More input rows are further tiles over the same weight rows, which are then in L1
+ *   or L2.
+ * - The STREAMS x TILE horizontal sums go LANES at a time through vector.h's transpose tree, which
+ *   beats a scalar chain per output at 1-4 rows.
  * - Each output is one thread's sum in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
-#include "vector.h" /* LANES, vec, load_vec, sum_lanes (harness/kernels/vector.h) */
+#include "kernels.h"
+#include "vector.h" /* LANES, vec, load_vec, sum_lanes */
 
-#define STREAMS 6 /* weight rows read in lockstep per thread (1 stream: 1.4x the time at 1 row) */
+#define STREAMS 6 /* weight rows read in lockstep per thread (one stream reads markedly slower) */
 #define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators in registers */
 #define ACTIVATION_BLOCK 256 /* SwiGLU activation values a thread takes at a time */
 
@@ -123,8 +125,8 @@ void gemv(const float *x, const float *w, float *out, int64_t n_inputs, int64_t 
 
 /* out[r] = x[r] * weight / sqrt(mean(x[r]^2) + eps) for rows r < n_inputs of width k_len, on one thread:
  * the block's two norms (inside its calls below) and the final norm before the output head. Through
- * torch (F.rms_norm, a composite of seven operators on a CPU) each of a step's 17 norms ran cold after a
- * weight read; one C call each took a cpu_small step from 11.1 to 10.4 ms at b=1 (docs/performance.md). */
+ * torch (F.rms_norm, a composite of seven operators on a CPU) each of a step's norms runs cold after a
+ * weight read, in several operators where this is one loop (docs/performance.md). */
 void rms_norm_rows(const float *x, const float *weight, float eps, float *out, int64_t n_inputs, int64_t k_len) {
     for (int64_t r = 0; r < n_inputs; r++) {
         const float *row = x + r * k_len;
@@ -151,7 +153,7 @@ static void rope_head(float *head, const float *cos, const float *sin, int64_t d
 
 /* The two halves of a decoder block for a decode step's few rows (harness.model.cpu_gemv.GemvBlock),
  * each one call and one parallel region: between a layer's weight reads nothing returns to Python, so
- * no operator runs cold after a read and no call pays the interpreter (docs/performance.md). Threads
+ * no operator runs cold after a read and no call pays the interpreter. Threads
  * share each product's weight rows (gemv_share); the norm runs on one thread, RoPE and the activation
  * on all; a barrier separates each stage from the next.
  *
