@@ -205,6 +205,6 @@ print(f"slurm.sh: one job array, tasks {', '.join(jobs)}; logs under {sweeps[0].
 EOF
 say "Slurm sweep: 4 rows, each once, all ok"
 
-HARNESS_REQUIRE_SLURM=1 python -m pytest -q -p no:cacheprovider tests/test_cluster.py -k slurm \
+HARNESS_REQUIRE_SLURM=1 python -m pytest -q -p no:cacheprovider -m slow tests/test_cluster.py -k slurm \
   || fail "tests/test_cluster.py's Slurm test against the cluster"
 say "done"

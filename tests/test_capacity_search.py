@@ -39,8 +39,8 @@ def test_the_search_finds_the_largest_batch_within_the_limit(tmp_path):
 
 @pytest.mark.parametrize("extra, key", [
     (["memory_limit_bytes=null"], "memory_limit_bytes"),
-    (["memory_limit_bytes=-5"], "memory_limit_bytes"),
-    (["search=max_pages"], "search"),
+    pytest.param(["memory_limit_bytes=-5"], "memory_limit_bytes", marks=pytest.mark.slow),
+    pytest.param(["search=max_pages"], "search", marks=pytest.mark.slow),
 ])
 def test_a_search_without_a_sensible_limit_is_refused(tmp_path, extra, key):
     result = cli(*SEARCH, *extra, f"results_dir={tmp_path}")
@@ -48,6 +48,19 @@ def test_a_search_without_a_sensible_limit_is_refused(tmp_path, extra, key):
     assert not tmp_path.exists() or not list(tmp_path.glob("*.parquet"))
 
 
+def test_every_bad_search_is_refused_by_the_plan(tmp_path):
+    """The refusals above and below, in process (the CLI's exit 2 and one line: the tests around)."""
+    from harness.config import ConfigError
+    from harness.run.plan import plan
+
+    for extra, key in ((["memory_limit_bytes=-5"], "memory_limit_bytes"), (["search=max_pages"], "search"),
+                       (["-m", "strategy=contiguous,paged"], "search")):
+        with pytest.raises(ConfigError) as refused:
+            plan([*SEARCH, *extra, f"results_dir={tmp_path}"], cuda_available=lambda: False)
+        assert str(refused.value).startswith(f"{key}: "), (extra, str(refused.value))
+
+
+@pytest.mark.slow  # through the CLI; the plan's refusal: test_every_bad_search_is_refused_by_the_plan
 def test_a_search_over_a_sweep_is_refused(tmp_path):
     result = cli("-m", *SEARCH, "strategy=contiguous,paged", f"results_dir={tmp_path}")
     assert result.returncode == 2 and only_line(result.stderr).startswith("error: search: ")

@@ -101,6 +101,18 @@ def wait_for(condition, what: str, timeout: float = 45, sweep: subprocess.Popen 
     pytest.fail(f"no {what} after {timeout:.0f} s")
 
 
+def test_each_launcher_plans_every_point_once(results_dir):
+    """The fast tier's check of the launcher configs: each composes, and a sweep through it is planned
+    point by point as the basic launcher's is (the sweeps themselves run in the slow tier)."""
+    from harness.run.plan import plan
+
+    for launcher in ("local", "slurm"):
+        jobs = plan(["-m", f"hydra/launcher={launcher}", *POINTS, f"results_dir={results_dir}"],
+                    cuda_available=lambda: False).jobs
+        assert len(jobs) == 4 and len({job.point.label() for job in jobs}) == 4, launcher
+
+
+@pytest.mark.slow
 def test_local_launcher_runs_each_point_once_one_at_a_time(results_dir):
     # Three points (each a process that imports torch): enough to see one-at-a-time twice.
     points = [arg.replace("strategy=contiguous,no_cache", "strategy=contiguous").replace("batch=1,2", "batch=1,2,3")
@@ -122,6 +134,7 @@ def test_local_launcher_runs_each_point_once_one_at_a_time(results_dir):
     assert "Launching" not in output  # the launcher's per-job lines are off without hydra.verbose
 
 
+@pytest.mark.slow
 def test_a_local_sweep_killed_mid_flight_leaves_whole_rows_and_the_rerun_completes(results_dir):
     args = ["-m", "hydra/launcher=local", "model=tiny", "strategy=contiguous", "batch=1,2", "ctx=16",
             "decode_tokens=4", "device=cpu", *QUICK, f"results_dir={results_dir}"]
@@ -157,6 +170,7 @@ SLURM_UNAVAILABLE = _slurm_unavailable()
 REQUIRE_SLURM = os.environ.get("HARNESS_REQUIRE_SLURM") == "1"  # .ci/slurm.sh: a cluster that does not answer fails
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SLURM_UNAVAILABLE is not None and not REQUIRE_SLURM, reason=str(SLURM_UNAVAILABLE))
 def test_slurm_sweep_lands_each_row_once_and_a_cancelled_job_is_measured_on_the_rerun(results_dir):
     if SLURM_UNAVAILABLE is not None:

@@ -58,6 +58,7 @@ def test_others_fraction_sees_busy_processes():
     assert taken >= 0.5 * busy / os.cpu_count(), taken
 
 
+@pytest.mark.slow
 def test_a_point_timed_beside_busy_processes_is_noisy(tmp_path):
     processes = _busy(os.cpu_count())
     try:
@@ -110,6 +111,7 @@ def test_a_record_from_before_contention_was_kept_still_reads(tmp_path):
     assert parse(text).contention is None
 
 
+@pytest.mark.slow  # through the CLI; the stored-record warning below is the fast tier's
 def test_a_run_that_beats_the_stored_roofs_names_calibrate_true(tmp_path):
     save(tmp_path, dataclasses.replace(fake_calibration(), read_bandwidth_Bps=1e6, matmul_flops=1e6))
     result = cli(*FAST, "strategy=contiguous", f"results_dir={tmp_path}")
@@ -134,7 +136,11 @@ def test_the_log_has_no_launcher_lines_and_ends_with_the_report_command(tmp_path
     last = output.strip().splitlines()[-1]
     assert "2 point(s) in" in last and ": 2 ok." in last
     assert last.endswith(f"Report: python -m harness.report results_dir={tmp_path}")
-    verbose = cli("-m", *FAST, "strategy=contiguous", "batch=1,2", "hydra.verbose=true", f"results_dir={tmp_path}")
+
+
+@pytest.mark.slow  # one more sweep through the CLI
+def test_hydra_verbose_brings_the_launcher_lines_back(tmp_path):
+    verbose = cli("-m", *FAST, "strategy=contiguous", "batch=1,2", "hydra.verbose=true", f"results_dir={seeded(tmp_path)}")
     assert "Launching 1 jobs locally" in verbose.stdout + verbose.stderr
 
 

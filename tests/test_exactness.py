@@ -10,17 +10,20 @@ import torch
 
 from strategies import StrategyUnavailable
 from tests.conftest import STRATEGIES
-from tests.conftest import GQA4, LLAMA3_8B_DEPTH1, TINY, cpu_model, generate
+from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, TINY, cpu_model, generate
 
 CPU = torch.device("cpu")
 SHAPES = {
     "tiny": (TINY, 3, 24, 32),  # shape, batch, prompt tokens, new tokens
     "gqa4": (GQA4, 2, 40, 24),
-    "llama3_8b_width_depth1": (LLAMA3_8B_DEPTH1, 1, 6, 4),
+    "head128": (HEAD128, 2, 20, 12),
+    "llama3_8b_width_depth1": (LLAMA3_8B_DEPTH1, 1, 6, 4),  # ~5 GB of weights: the slow tier
 }
+SLOW_SHAPES = {"llama3_8b_width_depth1"}
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SHAPES else name
+                                        for name in SHAPES])
 def reference(request):
     shape, batch, prompt_len, new_tokens = SHAPES[request.param]
     model = cpu_model(shape)

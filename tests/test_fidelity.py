@@ -17,7 +17,7 @@ from tests.conftest import TINY, planned_point, run_cli
 def calibrated_run(tmp_path_factory):
     results = tmp_path_factory.mktemp("calibration") / "results"
     # A short calibration budget: the kernels stop early and the GEMM shrinks, and the record is as whole.
-    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", "calibration_budget_s=4", f"results_dir={results}")
+    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", "calibration_budget_s=2", f"results_dir={results}")
     assert first.returncode == 0, first.stderr
     return results, first
 
@@ -29,6 +29,7 @@ def test_calibration_is_stored_with_its_timestamp(calibrated_run):
     assert record["timestamp"] and "calibrated cpu/float32" in first.stderr + first.stdout
 
 
+@pytest.mark.slow  # two more runs through the CLI, one calibrating again
 def test_calibration_is_reused_until_forced(calibrated_run):
     results, _ = calibrated_run
     path = calibrate.record_path(results, "cpu", "float32")
@@ -36,7 +37,7 @@ def test_calibration_is_reused_until_forced(calibrated_run):
     again = run_cli("device=cpu", "model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
     assert again.returncode == 0 and "calibrated" not in again.stderr + again.stdout
     assert path.read_text() == before
-    forced = run_cli("device=cpu", "model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", "calibration_budget_s=4",
+    forced = run_cli("device=cpu", "model=tiny", "ctx=64", "decode_tokens=4", "calibrate=true", "calibration_budget_s=1",
                      f"results_dir={results}")
     assert forced.returncode == 0 and "calibrated cpu/float32" in forced.stderr + forced.stdout
     assert path.read_text() != before
@@ -55,6 +56,28 @@ def test_fractions_are_computed_from_the_rows_own_columns(calibrated_run):
     ridge = rows.roof_flops / rows.roof_bandwidth_Bps
     intensity = rows.flops_per_step_model / rows.bytes_per_step_model
     assert (rows.roof_bound == intensity.gt(ridge).map({True: "compute", False: "memory"})).all()
+
+
+def test_a_stored_record_is_reused_unless_forced(tmp_path):
+    """The fast tier's form of the test above: calibration.ensure with a stand-in for the kernels."""
+    import dataclasses
+    import socket
+
+    from harness.run import calibration
+
+    stored = calibrate.Calibration("cpu", "x", socket.gethostname(), "float32", 1.0, 1.0, 1.0, None, 1.0,
+                                   "2024-01-01T00:00:00+00:00", "m")
+    calibrate.save(tmp_path, stored)
+    fresh = dataclasses.replace(stored, read_bandwidth_Bps=2.0, timestamp="2999-01-01T00:00:00+00:00")
+    calls = []
+
+    def run(fn, request):
+        calls.append(request)
+        return fresh
+
+    assert calibration.ensure(tmp_path, "cpu", "float32", False, run) == (stored, False) and not calls
+    assert calibration.ensure(tmp_path, "cpu", "float32", True, run, budget_s=1) == (fresh, True) and len(calls) == 1
+    assert calibrate.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
 
 
 def test_a_record_from_another_host_is_not_reused(tmp_path):

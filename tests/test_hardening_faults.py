@@ -113,6 +113,7 @@ def test_failed_rows_are_measured_again_by_default_and_the_closing_line_counts_t
     assert finished_row(results, one.key).status == "ok" and finished_row(results, two.key).status == "failed"
 
 
+@pytest.mark.slow  # a rerun rule through the CLI: the slow tier (the rules themselves: test_rerun_rules)
 def test_rerun_failed_false_keeps_failed_rows(tmp_path):
     results, one, _ = two_failed_rows(tmp_path)
     kept = cli("-m", *FAST, "batch=1", "rerun_failed=false", f"results_dir={results}")
@@ -131,6 +132,7 @@ def row_of_other_code(tmp_path):
     return results, point
 
 
+@pytest.mark.slow  # a rerun rule through the CLI: the slow tier (the rules themselves: test_rerun_rules)
 def test_rows_of_other_code_are_reported_not_measured_again(tmp_path):
     results, point = row_of_other_code(tmp_path)
     reported = cli(*FAST, f"results_dir={results}")
@@ -139,6 +141,7 @@ def test_rows_of_other_code_are_reported_not_measured_again(tmp_path):
     assert finished_row(results, point.key).git_commit == OLD_COMMIT
 
 
+@pytest.mark.slow  # a rerun rule through the CLI: the slow tier (the rules themselves: test_rerun_rules)
 def test_rerun_other_code_measures_them_again(tmp_path):
     results, point = row_of_other_code(tmp_path)
     redo = cli(*FAST, "rerun_other_code=true", f"results_dir={results}")
@@ -177,6 +180,7 @@ def assert_whole(results: Path, written: int) -> None:
     assert not list(results.glob(".*.tmp-*")) and not list((results / "_calibration").glob(".*tmp*"))
 
 
+@pytest.mark.slow  # a fault through the CLI: the slow tier
 @pytest.mark.skipif(not MOUNTABLE, reason="needs root and mount for a 200 KiB tmpfs (see the simulated test)")
 def test_a_full_disk_stops_the_sweep_in_one_line(tmp_path, tmpfs):
     results = seeded(tmpfs(tmp_path / "full", "size=120k"))  # a row is ~55 KB: room for one or two
@@ -189,6 +193,7 @@ def test_a_full_disk_stops_the_sweep_in_one_line(tmp_path, tmpfs):
     assert_whole(results, written)
 
 
+@pytest.mark.slow  # a fault through the CLI: the slow tier
 def test_a_full_disk_simulated_stops_the_sweep_in_one_line(tmp_path):
     results = seeded(tmp_path / "results")
     script = ("import errno, os, sys\n"
@@ -209,6 +214,7 @@ def test_a_full_disk_simulated_stops_the_sweep_in_one_line(tmp_path):
     assert_whole(results, 1)
 
 
+@pytest.mark.slow  # a fault through the CLI: the slow tier
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     """SIGINT to the process group, as Ctrl-C sends it, a second into the sweep: the runner, its fork
     server (importing torch then) and the point's process all get it."""

@@ -187,8 +187,11 @@ def test_hydras_run_folder_is_unique_per_process():
     assert run_dir.endswith(run_id()) and sweep_dir.endswith(run_id()) and str(os.getpid()) in run_id()
 
 
-@pytest.mark.parametrize("args", [["results_dir="], ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"],
-                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"]])
+# One command line through the CLI in the fast tier, the others in the slow tier (each refusal is also
+# checked in process by the plan's tests above).
+@pytest.mark.parametrize("args", [["results_dir="], *(pytest.param(args, marks=pytest.mark.slow) for args in (
+    ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"], ["hydra.job.chdir=true"], ["-m", "model=glob(*)"],
+    [f"seed={2**64}"]))])
 def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, args):
     before = set(os.listdir("/"))
     result = cli(*FAST, *args, cwd=tmp_path)
@@ -197,7 +200,7 @@ def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, args):
     assert not list(tmp_path.iterdir()) and set(os.listdir("/")) == before
 
 
-@pytest.mark.parametrize("below", [False, True])
+@pytest.mark.parametrize("below", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_results_dir_naming_a_file_is_one_line(tmp_path, below):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")

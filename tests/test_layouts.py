@@ -23,7 +23,7 @@ from strategies.dynamic import DynamicStrategy
 from strategies.no_cache import NoCacheStrategy
 from strategies.paged import PagedStrategy, gather_blocks, paged_decode_attention
 from strategies.static_full import StaticFullStrategy
-from tests.conftest import GQA4, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate
+from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate
 
 CPU = torch.device("cpu")
 C_KERNEL_REASON = paged.c_kernel_unavailable(CPU, torch.float32)
@@ -32,8 +32,10 @@ needs_c_kernel = pytest.mark.skipif(C_KERNEL_REASON is not None, reason=f"the pa
 SHAPES = {  # as tests/test_exactness.py: shape, batch, prompt tokens, new tokens
     "tiny": (TINY, 3, 24, 32),
     "gqa4": (GQA4, 2, 40, 24),
-    "llama3_8b_width_depth1": (LLAMA3_8B_DEPTH1, 1, 6, 4),
+    "head128": (HEAD128, 2, 20, 12),
+    "llama3_8b_width_depth1": (LLAMA3_8B_DEPTH1, 1, 6, 4),  # ~5 GB of weights: the slow tier
 }
+SLOW_SHAPES = {"llama3_8b_width_depth1"}
 # Every strategy under every backend a CPU runs; block sizes 5 and 16 split the sequences mid-block.
 CACHED = [
     (PagedStrategy, {"backend": "c", "block_size": 5}),
@@ -60,9 +62,10 @@ def runnable(cls, **options):
     return strategy
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name in SLOW_SHAPES else name
+                                        for name in SHAPES])
 def reference(request):
-    """A model per shape, built once for the module (the 8B width takes ~10 s), and its reference tokens."""
+    """A model per shape, built once for the module (the 8B width takes seconds), and its reference tokens."""
     shape, batch, prompt_len, new_tokens = SHAPES[request.param]
     model = cpu_model(shape)
     prompt = torch.randint(shape.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))

@@ -42,3 +42,11 @@ def test_nothing_refers_outside_the_repository():
     found = [f"{path.relative_to(REPO_ROOT)}: {needle}" for path in texts for needle in needles
              if needle in path.read_text()]
     assert not found, "\n".join(found)
+
+
+def test_the_docs_tell_no_history_of_their_writing():
+    """Docs state what is, not who measured what when: no sessions of the writing, no scratch probes."""
+    needles = ("later " + "session", "last " + "session", "sessions " + "so far", "/tmp" + " probe", "(`/tmp`" + " a/b")
+    found = [f"{page.relative_to(REPO_ROOT)}: {needle}" for page in [REPO_ROOT / "README.md", *DOCS]
+             for needle in needles if needle in page.read_text().lower()]
+    assert not found, "\n".join(found)

@@ -12,6 +12,8 @@ import pytest
 from harness.report.build import build_report
 from tests.report_fixtures import write_results
 
+pytestmark = pytest.mark.slow  # a headless Chromium: the slow tier (pytest -m slow)
+
 PROBE = """<script>
 window.addEventListener("load", () => {
   const images = [...document.images];

@@ -6,10 +6,12 @@ sweeps (one per GPU type, docs/cluster.md) are read as one table.
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
+import pytest
 
 from harness.report.__main__ import main as report_main
-from harness.report.build import build_report
 from harness.store.files import write_row
 from tests.report_fixtures import write_results
 
@@ -31,23 +33,29 @@ def two_machines(tmp_path):
     return a, b
 
 
-def test_two_devices_are_two_groups_with_their_own_roofs(tmp_path):
-    a, b = two_machines(tmp_path)
-    files = build_report([a, b], out_dir=tmp_path / "out")
-    text = files.markdown.read_text()
+@pytest.fixture(scope="module")
+def report_of_two(tmp_path_factory):
+    """Both folders through the CLI into one report (built once for the module: plots take seconds)."""
+    root = tmp_path_factory.mktemp("devices")
+    a, b = two_machines(root)
+    assert report_main([f"results_dir={a},{b}", f"out={root / 'out'}"]) == 0
+    return a, b, (root / "out" / "report.md").read_text()
+
+
+def test_two_devices_are_two_groups_with_their_own_roofs(report_of_two):
+    text = report_of_two[2]
     headings = [line for line in text.splitlines() if line.startswith("## Measured against predicted")]
     assert len(headings) == 2, headings
     assert any("Intel Xeon (fixture)" in h for h in headings) and any(OTHER in h for h in headings)
     roofs = text[text.index("## Roofs the predictions use"):]
     roofs = roofs[:roofs.index("\n## ", 1)]
     assert "Intel Xeon (fixture)" in roofs and OTHER in roofs and "9.8 GB/s" in roofs  # b's halved bandwidth
-    assert len({p.name for p in files.figures}) == len(files.figures)  # each group's plots under their own names
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert figures and len(set(figures)) == len(figures)  # each group's plots under their own names
 
 
-def test_the_cli_reads_several_folders_as_one_table(tmp_path, capsys):
-    a, b = two_machines(tmp_path)
-    assert report_main([f"results_dir={a},{b}", f"out={tmp_path / 'out'}"]) == 0
-    text = (tmp_path / "out" / "report.md").read_text()
+def test_the_cli_reads_several_folders_as_one_table(report_of_two, tmp_path, capsys):
+    a, b, text = report_of_two
     assert f"`{a}, {b}`: 16 rows" in text and OTHER in text
     assert report_main([f"results_dir={a},{tmp_path / 'missing'}"]) == 2
     assert capsys.readouterr().err.strip().startswith("results_dir: ")
