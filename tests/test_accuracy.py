@@ -29,18 +29,21 @@ class WrongScaleStrategy(ContiguousStrategy):
         return session
 
 
+REFERENCE = ContiguousStrategy(backend="sdpa")  # what resolve picks for an approximate point (test below)
+
+
 def prompt(batch: int = 2, length: int = 24) -> torch.Tensor:
     return torch.randint(GQA4.vocab_size, (batch, length), generator=torch.Generator().manual_seed(7))
 
 
 def test_an_exact_cache_agrees_with_the_reference_everywhere():
-    got = teacher_forced(ContiguousStrategy(), cpu_model(GQA4), prompt(), 12)
+    got = teacher_forced(ContiguousStrategy(), REFERENCE, cpu_model(GQA4), prompt(), 12)
     assert got["top1_agreement"] == 1.0 and got["logit_kl_mean"] < 1e-9 and got["logit_max_abs_error"] < 1e-4
     assert got["accuracy_steps"] == 12
 
 
 def test_a_wrong_scale_is_caught():
-    got = teacher_forced(WrongScaleStrategy(backend="sdpa"), cpu_model(GQA4), prompt(), 12)
+    got = teacher_forced(WrongScaleStrategy(backend="sdpa"), REFERENCE, cpu_model(GQA4), prompt(), 12)
     assert got["logit_kl_mean"] > 1e-3 and got["logit_max_abs_error"] > 0.05
     assert got["top1_agreement"] < 1.0
 
@@ -53,6 +56,9 @@ def test_rows_of_exact_strategies_say_why_their_accuracy_columns_are_null():
 def test_an_approximate_strategy_is_measured_in_its_own_process_run():
     point = planned_point("model=tiny", "strategy=contiguous", "strategy.backend=sdpa", "ctx=8", "decode_tokens=3")
     choice = dataclasses.replace(point.strategy, exact=False, strategy_class=f"{__name__}.WrongScaleStrategy")
+    reference = planned_point("model=tiny", "strategy=quantized").reference  # chosen by capability, not by name
+    assert reference == "strategies.contiguous.ContiguousStrategy:sdpa"
+    point = dataclasses.replace(point, reference=reference)
     row = measure_point(dataclasses.replace(point, strategy=choice))
     assert row["status"] == "ok" and row["accuracy_steps"] == 3 and row["logit_kl_mean"] > 0
     random = measure_point(dataclasses.replace(point, strategy=choice, prefill="random"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
 from harness.config.layout import CacheLayout
@@ -38,6 +38,20 @@ class StrategyChoice:
         return target_class("strategy_class", self.strategy_class)(backend=self.backend, **self.strategy_options)
 
 
+# Point and ModelConfig fields a key leaves out while at their defaults: they came after keys did, and
+# a point of random weights and prompts keeps the key it had before.
+POINT_FIELDS_KEYED_WHEN_SET = ("weights", "checkpoint_hash", "prompt", "prompt_hash", "reference")
+MODEL_FIELDS_KEYED_WHEN_SET = ("checkpoint", "attention_bias", "tie_embeddings", "rope_scaling", "rope_scaling_factor",
+                               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+
+
+def _drop_defaults(identity: dict, cls: type, names: tuple[str, ...]) -> None:
+    defaults = {f.name: f.default for f in fields(cls)}
+    for name in names:
+        if identity[name] == defaults[name]:
+            del identity[name]
+
+
 @dataclass(frozen=True)
 class Point:
     model: ModelConfig  # decoder shape
@@ -60,6 +74,16 @@ class Point:
     # CPU tensors of 2 MiB or more on 2 MiB pages (THP_MEM_ALLOC_ENABLE): fewer TLB misses and page
     # faults for tables and pools. Left out of the key while false, so earlier points keep theirs.
     hugepages: bool = False
+    # What the weights and the prompt are: `random` (seeded) or `checkpoint` (model.checkpoint), with
+    # the checkpoint's content hash (harness.model.checkpoint); the prompt file and its
+    # content hash (None: seeded random ids). Left out of the key while random, so earlier points keep theirs.
+    weights: str = "random"
+    checkpoint_hash: Optional[str] = None
+    prompt: Optional[str] = None
+    prompt_hash: Optional[str] = None
+    # Approximate strategies: the exact strategy their accuracy is measured against, "<class path>:<backend>"
+    # (chosen by capability in harness.run.inputs); None for exact ones.
+    reference: Optional[str] = None
 
     @property
     def max_len(self) -> int:
@@ -73,6 +97,8 @@ class Point:
             del identity["memory_limit_bytes"]  # keys of points without a limit stay as they were
         if not identity["hugepages"]:
             del identity["hugepages"]  # likewise for points on the default pages
+        _drop_defaults(identity, Point, POINT_FIELDS_KEYED_WHEN_SET)  # and for points of random weights and prompts
+        _drop_defaults(identity["model"], ModelConfig, MODEL_FIELDS_KEYED_WHEN_SET)
         return identity
 
     @property

@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Optional
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-3-style decoder. Weights are random (seeded); only the shape matters."""
+    """Shape of a Llama-3-style decoder. Weights are random (seeded; only the shape matters), or a
+    checkpoint's, whose config.json then gives the shape."""
 
     ROW_PREFIX: ClassVar[str] = ""  # rows name these columns as they are: d_model, n_layers, ...
 
@@ -32,6 +33,16 @@ class ModelConfig:
     head_dim: Optional[int] = None  # per-head width; None means d_model // n_heads
     rope_theta: float = 500000.0  # RoPE base frequency (Llama 3)
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    # The fields below are a real checkpoint's, filled from its config.json when `checkpoint` is set
+    # (harness.model.checkpoint); left at their defaults they change nothing (nor a point's key).
+    checkpoint: Optional[str] = None  # Hugging Face format folder (config.json, *.safetensors); None: seeded random weights
+    attention_bias: bool = False  # the q, k and v projections carry a bias (Qwen2)
+    tie_embeddings: bool = False  # the output head is the embedding table (tie_word_embeddings)
+    rope_scaling: Optional[str] = None  # None, or llama3: Llama 3.1's frequency-dependent RoPE stretch
+    rope_scaling_factor: float = 1.0  # llama3: how far low frequencies are stretched (factor)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are stretched in full
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+    rope_original_max_len: int = 8192  # llama3: the context the model was first trained at (original_max_position_embeddings)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -71,6 +82,7 @@ class RunConfig:
     device: str = "auto"  # auto|cpu|cuda; auto is cuda when available
     dtype: str = "auto"  # auto|float32|bfloat16|float16; auto is bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # seeds weights and prompt tokens
+    prompt: Optional[str] = None  # file of prompt tokens (ids as .json/.npy, or text through the checkpoint's tokenizer.json); None: seeded random ids
     prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
     matmul: str = "auto"  # auto|aten|onednn|c: linear kernel; auto on a CPU: c in fp32 at batch <= 16, else oneDNN-packed where supported
     compile: str = "none"  # none|inductor: decode steps through torch.compile (CUDA: reduce-overhead; CPU: C++ codegen)

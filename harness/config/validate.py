@@ -24,6 +24,7 @@ TRAFFIC_SOURCES = ("auto", "model", "ncu")
 MATMUL_KERNELS = ("auto", "aten", "onednn", "c")
 COMPILE_MODES = ("none", "inductor")  # harness.measure.compiled
 SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
+ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -127,13 +128,25 @@ def _path_text(key: str, value: Any) -> str:
 
 def input_folder(key: str, value: Any) -> Path:
     """A folder a tool reads: named, and an existing directory."""
+    return _existing(key, value, folder=True)
+
+
+def input_file(key: str, value: Any) -> Path:
+    """A file a tool reads: named, and an existing file."""
+    return _existing(key, value, folder=False)
+
+
+def _existing(key: str, value: Any, folder: bool) -> Path:
     path = Path(_path_text(key, value))
     try:
-        is_dir = path.is_dir()
+        found = path.is_dir() if folder else path.is_file()
     except OSError as error:
         raise ConfigError(key, f"cannot read '{path}': {error.strerror}") from None
-    if not is_dir:
-        what = "a file, not a folder" if path.exists() else "no folder"
+    if not found:
+        if path.exists():
+            what = "a file, not a folder" if folder else "a folder, not a file"
+        else:
+            what = "no folder" if folder else "no file"
         raise ConfigError(key, f"'{path}' is {what}")
     return path
 
@@ -182,6 +195,22 @@ def validate_model(model) -> None:
         raise ConfigError("model.head_dim", f"must be even for RoPE, got {head_dim}")
     positive_float("model.rope_theta", model.rope_theta)
     positive_float("model.norm_eps", model.norm_eps)
+    validate_rope_scaling(model)
+
+
+def validate_rope_scaling(model) -> None:
+    """Llama 3.1's RoPE scaling (harness.model.decoder.rope_inverse_frequencies), where asked for."""
+    scaling = model.get("rope_scaling")
+    if scaling is None:
+        return
+    one_of("model.rope_scaling", scaling, ROPE_SCALINGS)
+    positive_float("model.rope_scaling_factor", model.rope_scaling_factor)
+    positive_float("model.rope_low_freq_factor", model.rope_low_freq_factor)
+    positive_float("model.rope_high_freq_factor", model.rope_high_freq_factor)
+    positive_int("model.rope_original_max_len", model.rope_original_max_len, at_most=2**31 - 1)
+    if model.rope_high_freq_factor <= model.rope_low_freq_factor:
+        raise ConfigError("model.rope_high_freq_factor", f"must be above model.rope_low_freq_factor="
+                                                         f"{model.rope_low_freq_factor}, got {model.rope_high_freq_factor}")
 
 
 def validate_timing(timing) -> None:
@@ -234,6 +263,10 @@ def validate_run(cfg, cuda_available) -> None:
         raise ConfigError("hugepages", "needs isolate=true: torch reads THP_MEM_ALLOC_ENABLE at a process's first "
                                        "allocation, which this process has long made")
     validate_timing(cfg.timing)
+    if cfg.model.get("checkpoint") is not None:  # its contents: harness.run.inputs, as the point resolves
+        input_folder("model.checkpoint", cfg.model.checkpoint)
+    if cfg.get("prompt") is not None:
+        input_file("prompt", cfg.prompt)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
     strategy = cfg.strategy
     if "_target_" not in strategy:

@@ -63,6 +63,11 @@ class GraphedSteps:
         graph, _ = self.graphs[0]
         return lambda: timed(graph.replay)[1]
 
+    def restart(self) -> None:
+        """Replay from the first captured step again (the session rewound to where capture began):
+        each graph writes the K/V of its own position, so a second pass repeats the first's work."""
+        self.next = 0
+
     def replay_next(self, token: torch.Tensor, timed: Callable) -> tuple[torch.Tensor, float]:
         """The next decode step fed `token` [B]: replayed once untimed (a graph's first launch uploads
         it to the device, which is not part of a step), then through `timed` (a StepTimer.time).

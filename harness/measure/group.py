@@ -4,8 +4,10 @@ strategy, matmul kernel or compile mode, timed together in one process so that t
 On a shared machine the bandwidth a step gets moves by tens of percent within minutes, so two points
 measured one after the other differ by the machine as much as by their strategies. A group removes
 that: one model per linear kernel, every member's session alive at once (harness.measure.member), and
-`decode_tokens` rounds in which every member takes one timed step, in an order that rotates and
-reverses from round to round (no member always runs first, or always after the same other one).
+rounds in which every member takes one timed step at the round's decode position, in an order that
+rotates and reverses from round to round (no member always runs first, or always after the same other
+one). A pass over the `decode_tokens` positions is repeated (rewound, the same tokens) while another
+fits timing.rounds_budget_s, up to timing.max_passes.
 Each round also times the calibration's matrix-vector read (harness.measure.roofs.GemvRead), so every
 row carries the bandwidth the machine gave in its own window beside the calibrated best-of roof.
 
@@ -19,6 +21,7 @@ the group's order; `harness.run.row` makes each a row.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -139,27 +142,39 @@ class _GroupRun:
         return probe
 
     def run_rounds(self, live: list[Member], probe) -> dict:
-        """`decode_tokens` rounds: every live member one timed step, and the read probe once."""
-        count = self.request.members[0].decode_tokens
+        """Rounds over the decode positions: in each, every live member one timed step at the round's
+        position, and the read probe once. A pass is decode_tokens rounds; passes repeat while one more
+        fits timing.rounds_budget_s, up to timing.max_passes."""
+        timing, positions = self.request.members[0].timing, self.request.members[0].decode_tokens
         probe_seconds: list[float] = []
         slots = live + [probe]
-        before, graphs_before = CpuTimes.now(), graphs_compiled()
-        for round_index in range(count):
-            for slot in rotation(len(slots), round_index):
-                entrant = slots[slot]
-                if entrant is probe:
-                    probe_seconds.append(self.timer.time(probe)[1])
-                elif entrant.live:
-                    try:
-                        entrant.timed_step()
-                    except Exception as error:  # noqa: BLE001
-                        entrant.fail(error)
+        before, graphs_before, began = CpuTimes.now(), graphs_compiled(), time.monotonic()
+        passes = 0
+        while True:
+            for position in range(positions):
+                self._one_round(slots, passes * positions + position, position, probe, probe_seconds)
+            passes += 1
+            spent = time.monotonic() - began
+            if passes >= timing.max_passes or spent + spent / passes > timing.rounds_budget_s:
+                break
         contention = others_fraction_since(before)  # the rounds, padded to a window /proc/stat resolves
         recompiles = graphs_compiled() - graphs_before  # before any other code can compile
         gpu = gpu_state(self.device.index or 0) if self.device.type == "cuda" else {}
-        roof = median_interval([probe.nbytes / s for s in probe_seconds]) if probe_seconds else None
-        return {"count": count, "contention": contention, "recompiles": recompiles, "gpu": gpu,
-                "roof": roof, "roof_kernel": probe.kernel}
+        hugepages = anon_hugepages_bytes()  # what the pages were, whatever was asked, while every table is held
+        roof = median_interval([probe.nbytes / s for s in probe_seconds])
+        return {"count": passes * positions, "contention": contention, "recompiles": recompiles, "gpu": gpu,
+                "roof": roof, "roof_kernel": probe.kernel, "anon_hugepages_bytes": hugepages}
+
+    def _one_round(self, slots: list, round_index: int, position: int, probe, probe_seconds: list) -> None:
+        for slot in rotation(len(slots), round_index):
+            entrant = slots[slot]
+            if entrant is probe:
+                probe_seconds.append(self.timer.time(probe)[1])
+            elif entrant.live:
+                try:
+                    entrant.timed_step(position)
+                except Exception as error:  # noqa: BLE001
+                    entrant.fail(error)
 
     def outcome(self, index: int, member: Member, rounds: dict | None, reference: int | None,
                 process_baseline: int) -> dict:
@@ -199,7 +214,7 @@ class _GroupRun:
             "tokens_per_s": point.batch / stats.p50,
             "contention": rounds["contention"], **rounds["gpu"],
             "roof_bandwidth_in_rounds_Bps": roof.median if roof else None,
-            "roof_in_rounds_kernel": rounds["roof_kernel"],
+            "roof_in_rounds_kernel": rounds["roof_kernel"], "anon_hugepages_bytes": rounds["anon_hugepages_bytes"],
         }
 
     def _ratio_columns(self, index: int, member: Member, reference: int | None) -> dict:
@@ -218,8 +233,7 @@ class _GroupRun:
         memory = dict(member.memory)
         if self.device.type == "cpu":
             memory["process_baseline_bytes"] = process_baseline
-        return {**memory, **member.release(), "peak_memory_method": PEAK_METHOD[self.device.type],
-                "anon_hugepages_bytes": anon_hugepages_bytes()}
+        return {**memory, **member.release(), "peak_memory_method": PEAK_METHOD[self.device.type]}
 
 
 def measure_point(point: Point) -> dict:

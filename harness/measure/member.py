@@ -50,7 +50,7 @@ class Member:
         """Leave the rounds with the error as this member's failed outcome; its session is freed."""
         self.outcome = {"status": "failed", "reason": f"{type(error).__name__}: {error}",
                         "traceback": traceback.format_exc()}
-        self.session = self._timed = None
+        self.session = self._timed = self._graphed = None
 
     def set_up(self, model, model_bytes: int, timer: StepTimer) -> None:
         """Resolve, build, prefill, compile or capture, warm up; read the member's own peak. On a reason
@@ -85,8 +85,9 @@ class Member:
         """Warm-up steps at the first decode position (the session rewound after each: the tokens stay
         the reference's); sets `_timed`, the callable of one timed step."""
         t, session, first_token = self.point.timing, self.session, self.generated[0]
+        self._graphed = None
         if t.cuda_graphs:
-            graphed = GraphedSteps(session, first_token, self.point.decode_tokens)  # captures every step up front
+            graphed = self._graphed = GraphedSteps(session, first_token, self.point.decode_tokens)  # every step, up front
             self._timed = lambda token: graphed.replay_next(token, timer.time)
             return EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min, t.warmup_max,
                                                 t.settle_tolerance)
@@ -100,20 +101,28 @@ class Member:
         self._timed = lambda token: timer.time(lambda: step(token).argmax(-1))
         return warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
 
-    def timed_step(self) -> None:
-        """One timed decode step at the next position: its time and its token recorded."""
-        token, seconds = self._timed(self.generated[-1])
-        self.generated.append(token)
+    def timed_step(self, position: int) -> None:
+        """One timed decode step at decode position `position` (0 .. decode_tokens - 1). The first pass
+        over the positions generates the tokens; a later pass rewinds the session at position 0 and
+        feeds the first pass's tokens again (the same computation), its outputs dropped."""
+        replay = len(self.step_seconds) >= self.point.decode_tokens
+        if replay and position == 0:
+            self.session.rewind(self.point.ctx)
+            if self._graphed is not None:
+                self._graphed.restart()
+        token, seconds = self._timed(self.generated[position])
+        if not replay:
+            self.generated.append(token)
         self.step_seconds.append(seconds)
 
     def release(self) -> dict:
         """Free the session; returns what only the live session knew (cache bytes)."""
         cache_bytes = self.session.kv_cache_bytes
-        self.session = self._timed = None
+        self.session = self._timed = self._graphed = None
         return {"kv_cache_bytes": cache_bytes}
 
     def step_stats(self) -> StepStats:
         return StepStats.of(self.step_seconds)
 
     def tokens(self) -> torch.Tensor:
-        return torch.stack(self.generated, dim=1)  # [B, decode_tokens + 1]
+        return torch.stack(self.generated, dim=1)  # [B, decode_tokens + 1]: the first pass's

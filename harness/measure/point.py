@@ -10,7 +10,8 @@ import hashlib
 import torch
 
 from harness.config import Point
-from harness.measure.accuracy import not_measured, teacher_forced
+from harness.measure.accuracy import not_measured, reference_strategy, teacher_forced
+from harness.measure.prompts import point_prompt
 from harness.measure.compiled import CompiledSteps
 from harness.measure.contention import CpuTimes, gpu_state, others_fraction_since
 from harness.measure.device import device_name
@@ -43,7 +44,10 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
     if point.prefill == "random":
         session.fill_random(point.ctx, generator)
         return session, torch.randint(vocab, (point.batch,), generator=generator, device=generator.device), None
-    prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
+    if point.prompt is not None:  # the prompt file's windows: their first ctx tokens
+        prompt = point_prompt(point, generator.device)[:, : point.ctx]  # [B, P]
+    else:
+        prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
     if timer is None:
         return session, session.prefill(prompt).argmax(-1), None
     logits, first = timer.time(lambda: session.prefill(prompt))
@@ -64,9 +68,16 @@ def accuracy(point: Point, strategy, model) -> dict:
         return not_measured("exact strategy: its tokens equal the reference's (tokens_digest)")
     if point.prefill != "compute":
         return not_measured("prefill=random: no prompt to run the exact reference on")
-    generator = torch.Generator(device=model.device).manual_seed(point.seed)  # the timed run's prompt
-    prompt = torch.randint(point.model.vocab_size, (point.batch, point.ctx), generator=generator, device=model.device)
-    return teacher_forced(strategy, model, prompt, point.decode_tokens)
+    if point.reference is None:
+        return not_measured("no exact reference strategy was chosen for this point")
+    text = None
+    if point.prompt is not None:  # the timed run's prompt, then the text that follows it, fed and scored
+        window = point_prompt(point, model.device)  # [B, ctx + decode_tokens + 1]
+        prompt, text = window[:, : point.ctx], window[:, point.ctx :]
+    else:
+        generator = torch.Generator(device=model.device).manual_seed(point.seed)  # the timed run's prompt
+        prompt = torch.randint(point.model.vocab_size, (point.batch, point.ctx), generator=generator, device=model.device)
+    return teacher_forced(strategy, reference_strategy(point.reference), model, prompt, point.decode_tokens, text)
 
 
 def measure_point(point: Point) -> dict:

@@ -1,7 +1,9 @@
-"""A model ready to decode: the decoder allocated on its device, seeded, and its CPU kernels chosen.
+"""A model ready to decode: the decoder allocated on its device, its weights seeded or loaded from a
+checkpoint, and its CPU kernels chosen.
 
-harness.model.decoder is the model alone; this is where the weights are drawn and where `matmul`
-swaps its linears (and, for `c`, the small operators between them) for a CPU kernel's modules.
+harness.model.decoder is the model alone; this is where the weights are drawn (or read, through
+harness.model.checkpoint) and where `matmul` swaps its linears (and, for `c`, the small operators
+between them) for a CPU kernel's modules.
 """
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import math
 import torch
 
 from harness.config import ModelConfig
+from harness.model.checkpoint import load_weights, read_checkpoint
 from harness.model.cpu_gemv import use_gemv
 from harness.model.cpu_linear import pack_linears
 from harness.model.decoder import Decoder
 from harness.model.random_fill import uniform_like_normal_
+
+
+BIAS_FREE_MATMULS = ("onednn", "c")  # kernels whose linears drop a bias (harness.model.cpu_linear, cpu_gemv)
 
 
 @torch.no_grad()
@@ -33,7 +39,8 @@ def init_weights(model: Decoder, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
-        std = 1.0 if name == "tok_embeddings.weight" else 1.0 / math.sqrt(param.shape[1])
+        fan_in = param.shape[1] if param.dim() == 2 else model.cfg.d_model  # a q/k/v bias: its projection's
+        std = 1.0 if name == "tok_embeddings.weight" else 1.0 / math.sqrt(fan_in)
         if name.endswith(("wo.weight", "w2.weight")):
             std *= residual_scale
         uniform_like_normal_(param, std, generator)
@@ -41,7 +48,8 @@ def init_weights(model: Decoder, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
                 matmul: str = "aten", batch_hint: int = 1) -> Decoder:
-    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it.
+    """Allocate the decoder directly on its device and dtype (no fp32 CPU copy first) and seed it, or
+    with cfg.checkpoint fill it from the checkpoint's tensors (cfg is then the checkpoint's shape).
 
     matmul="onednn" then repacks every linear for oneDNN (harness.model.cpu_linear), tuned for
     `batch_hint` rows; matmul="c" runs them through the C small-batch kernel, each decoder block's few-row
@@ -51,7 +59,13 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # on meta: costs nothing
     model = model.to_empty(device=device)
-    init_weights(model, seed)
+    model.tie_output()  # to_empty allocated the tied head apart from the embedding
+    if cfg.attention_bias and matmul in BIAS_FREE_MATMULS:  # harness.run.resolve refuses it before this
+        raise ValueError(f"matmul={matmul} drops a bias; a q/k/v bias (model.attention_bias) needs matmul=aten")
+    if cfg.checkpoint is not None:
+        load_weights(model, read_checkpoint(cfg.checkpoint))
+    else:
+        init_weights(model, seed)
     model = model.eval().requires_grad_(False)
     if matmul == "onednn":
         pack_linears(model, batch_hint)

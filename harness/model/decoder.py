@@ -1,4 +1,8 @@
-"""A Llama-3-style decoder with seeded random weights: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Its weights are seeded random ones or a checkpoint's (harness.model.build). Llama 2/3/3.1, Mistral and
+Qwen2 are this decoder with three options of the shape: a bias on the q/k/v projection (Qwen2), the
+output head tied to the embedding table, and Llama 3.1's RoPE frequency scaling (`rope_scaling`).
 
 The model knows nothing about caching. Each layer hands its roped queries and its new keys and values
 to a per-layer cache object (`strategies.base.LayerCache.attend`), which decides what is stored and
@@ -6,7 +10,8 @@ what is read. That one call is the seam every decode strategy plugs into.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Optional[ModelConfig] = None) -> torch.Tensor:
+    """The rotation rate of each dimension pair [D/2], in float64: theta ** (-2i / D), and with
+    `scaling.rope_scaling == "llama3"` Llama 3.1's stretch (transformers' _compute_llama3_parameters):
+    wavelengths longer than original_max_len / low_freq_factor are slowed by `factor`, those shorter
+    than original_max_len / high_freq_factor kept, and the ones between blended smoothly."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [D/2]
+    if scaling is None or scaling.rope_scaling is None:
+        return inv_freq
+    factor, original = scaling.rope_scaling_factor, scaling.rope_original_max_len
+    low, high = scaling.rope_low_freq_factor, scaling.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, blended, stretched)
+
+
 class RotaryTable:
     """RoPE for positions [0, max_len), tables built once per decode session.
 
@@ -37,8 +60,8 @@ class RotaryTable:
     multiplies, a subtraction, an addition and a cat were 8, and queries and keys are rotated together.
     """
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, device, dtype):
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    def __init__(self, head_dim: int, max_len: int, theta: float, device, dtype, scaling: Optional[ModelConfig] = None):
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling).to(device)  # [D/2]
         angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)  # [S, D/2]
         self.cos = angles.cos().repeat(1, 2).to(dtype)  # [max_len, D]: cos of pair i in columns i and i + D/2
         self.sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)  # [max_len, D]
@@ -58,8 +81,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.resolved_head_dim
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        # One fused projection for q, k, v: one weight read, one kernel per step.
-        self.wqkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=False)
+        # One fused projection for q, k, v: one weight read, one kernel per step (its bias: Qwen2's).
+        self.wqkv = nn.Linear(cfg.d_model, q_width + 2 * kv_width, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_width, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope: RotaryTable, cache, start_pos: int) -> torch.Tensor:
@@ -109,7 +132,14 @@ class Decoder(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied from the embedding
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_output()
+
+    def tie_output(self) -> None:
+        """With cfg.tie_embeddings, the output head reads the embedding table itself (one tensor). Called
+        again after the parameters are allocated anew (nn.Module.to_empty makes one tensor per module)."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     @property
     def device(self) -> torch.device:
@@ -121,7 +151,7 @@ class Decoder(nn.Module):
 
     def rotary_table(self, max_len: int) -> RotaryTable:
         c = self.cfg
-        return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype)
+        return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype, scaling=c)
 
     def forward(self, tokens: torch.Tensor, start_pos: int, caches: Sequence, rope: RotaryTable) -> torch.Tensor:
         """tokens [B, T] at positions start_pos.. -> logits [B, vocab] of the last position only.

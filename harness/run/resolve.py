@@ -9,10 +9,12 @@ another kernel measured.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from harness.config import ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
+from harness.run.inputs import accuracy_reference, checkpoint_shape, prompt_source
 
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 
@@ -38,10 +40,16 @@ def resolve_traffic(traffic: str, device: str) -> str:
     return "ncu" if device == "cuda" and ncu_executable() else "model"
 
 
-def resolve_matmul(matmul: str, device: str, dtype: str, batch: int) -> str:
+def resolve_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool = False) -> str:
     from harness.model import cpu_gemv
+    from harness.model.build import BIAS_FREE_MATMULS
     from harness.model.cpu_linear import onednn_supports, resolve_matmul as resolved
 
+    if bias and matmul in BIAS_FREE_MATMULS:
+        raise ConfigError("matmul", f"{matmul} drops a bias, and this model's q/k/v projections have one "
+                                    "(model.attention_bias); allowed: auto, aten")
+    if bias:  # auto: the one kernel that adds it
+        return "aten"
     if matmul == "onednn" and (device != "cpu" or not onednn_supports(dtype)):
         raise ConfigError("matmul", f"onednn packing is not supported for {dtype} on {device} here; allowed: auto, aten")
     if matmul == "c" and (device != "cpu" or dtype != "float32"):
@@ -93,9 +101,14 @@ def point_from_config(cfg) -> Point:
     model = dataclasses.replace(model, head_dim=model.resolved_head_dim)  # resolved: no None left in a point
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     max_len = cfg.ctx + cfg.decode_tokens
+    checkpoint_hash = None
+    if model.checkpoint is not None:  # its shape replaces the preset's (harness.run.inputs)
+        model, checkpoint_hash = checkpoint_shape(model, dtype, device, max_len)
+    strategy = resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs)
+    prompt = str(Path(cfg.prompt).expanduser().resolve()) if cfg.get("prompt") is not None else None
     return Point(
         model=model,
-        strategy=resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs),
+        strategy=strategy,
         timing=TimingConfig(**OmegaConf.to_container(cfg.timing, resolve=True)),
         batch=cfg.batch,
         ctx=cfg.ctx,
@@ -105,9 +118,14 @@ def point_from_config(cfg) -> Point:
         seed=cfg.seed,
         prefill=cfg.prefill,
         traffic=resolve_traffic(cfg.traffic, device),
-        matmul=resolve_matmul(cfg.matmul, device, dtype, cfg.batch),
+        matmul=resolve_matmul(cfg.matmul, device, dtype, cfg.batch, model.attention_bias),
         threads=torch.get_num_threads(),
         compile=cfg.compile,
         memory_limit_bytes=int(cfg.memory_limit_bytes) if cfg.memory_limit_bytes is not None else None,
         hugepages=cfg.hugepages,
+        weights="checkpoint" if checkpoint_hash is not None else "random",
+        checkpoint_hash=checkpoint_hash,
+        prompt=prompt,
+        prompt_hash=prompt_source(prompt, model, cfg.prefill, cfg.batch, cfg.ctx, cfg.decode_tokens) if prompt else None,
+        reference=accuracy_reference(strategy, model, device, dtype),
     )

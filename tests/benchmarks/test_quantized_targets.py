@@ -60,7 +60,7 @@ def test_int8_keeps_the_greedy_tokens(model_for):
     # 4 sequences x 64 steps: 256 argmax comparisons, so one flip moves agreement by 0.004, not 0.016
     model = model_for(LIGHT_MODEL, 4)
     prompt = torch.randint(LIGHT_MODEL.vocab_size, (4, 64), generator=torch.Generator().manual_seed(SEED))
-    got = teacher_forced(QuantizedStrategy(format="int8"), model, prompt, 64)
+    got = teacher_forced(QuantizedStrategy(format="int8"), ContiguousStrategy(backend="sdpa"), model, prompt, 64)
     print(f"\nint8 on {LIGHT_MODEL.name}, batch 4, prompt 64, 64 teacher-forced steps: top-1 {got['top1_agreement']:.4f}, "
           f"mean KL {got['logit_kl_mean']:.3g} nats, max |logit error| {got['logit_max_abs_error']:.3g}")
     assert got["top1_agreement"] >= 0.99

@@ -1,0 +1,107 @@
+"""What a point runs on besides its shape: its weights, its prompt, and the exact strategy an
+approximate one is judged against. Resolved once per point while the sweep is planned
+(harness.run.resolve), so every refusal is one line and exit 2 before anything is written.
+
+- Weights: with `model.checkpoint=PATH` the folder is read (harness.model.checkpoint: config.json and
+  the safetensors headers, no tensor) and its shape replaces the preset's; `model.name` becomes the
+  folder's name unless it was set to a name no preset under conf/model/ has. A checkpoint whose
+  weights, in the point's dtype, exceed the CPU's free memory is refused (on CUDA the point's own
+  process finds its free memory and skips a point that does not fit, as for random weights).
+- Prompt: with `prompt=PATH` the file is read and cut into the point's windows now
+  (harness.measure.prompts), so a file too short or ids outside the vocabulary are refused now.
+- Reference: the first strategy of the catalog that declares itself exact, caches K/V and stores
+  them in the plain contiguous layout, on a backend made of torch's own operators.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from harness.config import CONTIGUOUS, ConfigError, ModelConfig, StrategyChoice
+from harness.config.paths import config_dir
+
+TORCH_BACKENDS = ("sdpa", "torch")  # kernel families of torch's own operators: any device, any dtype
+GIB = 2**30
+
+
+def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) -> tuple[ModelConfig, str]:
+    """The shape of `model.checkpoint` (its name as the module docstring says) and its content hash;
+    ConfigError on `model.checkpoint` for a folder the decoder cannot load or memory cannot hold."""
+    from harness.analysis.analytic import dtype_bytes
+    from harness.config.validate import validate_model
+    from harness.model.checkpoint import CheckpointError, read_checkpoint, shape_fields
+
+    try:
+        checkpoint = read_checkpoint(model.checkpoint)
+    except CheckpointError as error:
+        raise ConfigError("model.checkpoint", str(error)) from None
+    except OSError as error:
+        raise ConfigError("model.checkpoint", f"cannot read '{model.checkpoint}': {error.strerror or error}") from None
+    preset = (config_dir() / "model" / f"{model.name}.yaml").is_file()
+    shape = dataclasses.replace(model, **shape_fields(checkpoint.shape),
+                                name=checkpoint.shape.name if preset else model.name)
+    validate_model(OmegaConf.create(dataclasses.asdict(shape)))  # the checks a preset's shape passes
+    window = checkpoint.sliding_window
+    if window is not None and max_len > window:
+        raise ConfigError("ctx", f"ctx + decode_tokens = {max_len} passes the checkpoint's sliding_window={window}, "
+                                 "which the decoder does not apply; keep the point within it")
+    if device == "cpu":
+        from harness.measure.memory import available_bytes
+
+        need, have = checkpoint.parameters * dtype_bytes(dtype), available_bytes("cpu")
+        if need > have:
+            raise ConfigError("model.checkpoint", f"'{checkpoint.folder}' needs {need / GIB:.1f} GiB as {dtype}, "
+                                                  f"{have / GIB:.1f} GiB of memory is free")
+    return shape, checkpoint.content_hash
+
+
+def prompt_source(path: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int) -> str:
+    """The prompt file's content hash, once the file is known to give the point its windows;
+    ConfigError on `prompt` otherwise."""
+    from harness.measure.prompts import PromptError, content_hash, read_tokens, tokenizer_of, window_tokens, windows
+
+    if prefill != "compute":
+        raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
+    tokenizer = tokenizer_of(shape.checkpoint)
+    try:
+        ids = read_tokens(path, tokenizer)
+        windows(ids, batch, window_tokens(ctx, decode_tokens), shape.vocab_size, f"'{path}'")
+        return content_hash(Path(path).expanduser().resolve(), tokenizer)
+    except PromptError as error:
+        raise ConfigError("prompt", str(error)) from None
+    except OSError as error:
+        raise ConfigError("prompt", f"cannot read '{path}': {error.strerror or error}") from None
+
+
+@functools.cache
+def _reference_candidates() -> tuple[tuple[type, str], ...]:
+    """(class, torch backend) of every exact caching strategy of the catalog, in its order."""
+    from harness.run.catalog import strategy_catalog
+
+    found = []
+    for cls in strategy_catalog().values():
+        backend = next((b for b in cls.backends if b in TORCH_BACKENDS), None)
+        if cls.exact and cls.caches_kv and not cls.reference and backend is not None:
+            found.append((cls, backend))
+    return tuple(found)
+
+
+def accuracy_reference(strategy: StrategyChoice, shape: ModelConfig, device: str, dtype: str) -> Optional[str]:
+    """"<module>.<Class>:<backend>" of the strategy an approximate `strategy` is judged against (the
+    module docstring), None for an exact one; ConfigError when the catalog has none that runs here."""
+    import torch
+
+    if strategy.exact:
+        return None
+    for cls, backend in _reference_candidates():
+        candidate = cls(backend=backend)
+        if candidate.cache_layout(shape) == CONTIGUOUS and candidate.unavailable(torch.device(device),
+                                                                                 getattr(torch, dtype)) is None:
+            return f"{cls.__module__}.{cls.__qualname__}:{backend}"
+    raise ConfigError("strategy", f"{strategy.name} is approximate, and no exact strategy with the contiguous "
+                                  f"layout and a torch backend ({', '.join(TORCH_BACKENDS)}) runs on {device}/{dtype} "
+                                  "to measure it against")
