@@ -40,7 +40,7 @@ class StrategyChoice:
 
 # Point and ModelConfig fields a key leaves out while at their defaults: they came after keys did, and
 # a point of random weights and prompts keeps the key it had before.
-POINT_FIELDS_KEYED_WHEN_SET = ("weights", "checkpoint_hash", "prompt", "prompt_hash", "reference")
+POINT_FIELDS_KEYED_WHEN_SET = ("weights", "checkpoint_hash", "prompt", "prompt_hash", "reference", "repeat")
 MODEL_FIELDS_KEYED_WHEN_SET = ("checkpoint", "attention_bias", "tie_embeddings", "rope_scaling", "rope_scaling_factor",
                                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 
@@ -84,6 +84,11 @@ class Point:
     # Approximate strategies: the exact strategy their accuracy is measured against, "<class path>:<backend>"
     # (chosen by capability in harness.run.inputs); None for exact ones.
     reference: Optional[str] = None
+    # shape: timed in one process with the sweep's other points of the same shape, steps interleaved
+    # (harness.measure.group); none: timed alone. Not in the key: it says how the point was timed, not
+    # what (its row's group_id and group_size say with whom); overwrite=true measures it again.
+    interleave: str = "none"
+    repeat: int = 0  # which of the sweep's `repeats` measurements of this point; left out of the key while 0
 
     @property
     def max_len(self) -> int:
@@ -97,6 +102,7 @@ class Point:
             del identity["memory_limit_bytes"]  # keys of points without a limit stay as they were
         if not identity["hugepages"]:
             del identity["hugepages"]  # likewise for points on the default pages
+        del identity["interleave"]  # how it was timed, not what: a re-run alone or in another group finds its row
         _drop_defaults(identity, Point, POINT_FIELDS_KEYED_WHEN_SET)  # and for points of random weights and prompts
         _drop_defaults(identity["model"], ModelConfig, MODEL_FIELDS_KEYED_WHEN_SET)
         return identity
@@ -106,10 +112,18 @@ class Point:
         canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
+    def group_key(self) -> str:
+        """What a point shares with the points it is timed with (harness.run.groups): everything but the
+        strategy, the linear kernel, the compile mode and the accuracy reference that follows the strategy."""
+        shared = {k: v for k, v in self.identity().items() if k not in ("strategy", "matmul", "compile", "reference")}
+        canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
     def label(self) -> str:
         """How progress lines and errors name the point: the run options that tell two points of one
         sweep apart are in it (a compiled step, 2 MiB pages)."""
-        options = (f" compile={self.compile}" if self.compile != "none" else "") + (" hugepages" if self.hugepages else "")
+        options = ((f" compile={self.compile}" if self.compile != "none" else "") + (" hugepages" if self.hugepages else "")
+                   + (f" repeat={self.repeat}" if self.repeat else ""))
         return f"{self.strategy.name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 

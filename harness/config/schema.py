@@ -67,6 +67,10 @@ class TimingConfig:
     cold_cache: bool = False  # evict the last-level cache (CPU) or L2 (GPU) before each timed step
     prefill_repeats: int = 5  # times the prompt is timed at most, each on a fresh session (median recorded)
     prefill_budget_s: float = 1.0  # no further repeat once the prompt's timings would pass this many seconds
+    # A group replays its decode positions (rewound, the same tokens) while one more pass of its rounds
+    # fits this budget, up to max_passes: cheap steps get more rounds and narrower intervals
+    rounds_budget_s: float = 5.0
+    max_passes: int = 8  # passes over the decode positions at most (1: each position timed once)
 
 
 @dataclass
@@ -98,6 +102,10 @@ class RunConfig:
     # process before it allocates; needs isolate=true and transparent huge pages not `never`)
     hugepages: bool = False
     memory_limit_bytes: Optional[float] = None  # treat the device as this large (bytes): a point that would not fit is a skipped row
+    # shape: a sweep's points that differ only in strategy, matmul or compile are timed together in one
+    # process, their steps interleaved round by round, so their ratios compare; none: each point alone
+    interleave: str = "shape"
+    repeats: int = 1  # measure every group this many times, in shuffled order (rows keyed by `repeat`)
     search: str = "none"  # none | max_batch: find the largest batch that runs within memory_limit_bytes by bisection (+sweep=capacity)
 
 

@@ -25,6 +25,8 @@ MATMUL_KERNELS = ("auto", "aten", "onednn", "c")
 COMPILE_MODES = ("none", "inductor")  # harness.measure.compiled
 SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
+INTERLEAVE_MODES = ("shape", "none")  # harness.run.groups
+REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -221,6 +223,8 @@ def validate_timing(timing) -> None:
     positive_float("timing.settle_tolerance", timing.settle_tolerance)
     positive_int("timing.prefill_repeats", timing.prefill_repeats, at_most=1000)
     positive_float("timing.prefill_budget_s", timing.prefill_budget_s)
+    positive_float("timing.rounds_budget_s", timing.rounds_budget_s, at_least=0.001, at_most=86400)
+    positive_int("timing.max_passes", timing.max_passes, at_most=1000)
 
 
 def _plain(cfg) -> Any:
@@ -255,6 +259,8 @@ def validate_run(cfg, cuda_available) -> None:
     one_of("matmul", cfg.matmul, MATMUL_KERNELS)
     one_of("compile", cfg.compile, COMPILE_MODES)
     one_of("search", cfg.search, SEARCHES)
+    one_of("interleave", cfg.interleave, INTERLEAVE_MODES)
+    positive_int("repeats", cfg.repeats, at_most=REPEATS_MAX)
     if cfg.memory_limit_bytes is not None:
         positive_float("memory_limit_bytes", cfg.memory_limit_bytes, at_least=1, at_most=INT64_MAX)
     if cfg.search != "none" and cfg.memory_limit_bytes is None:

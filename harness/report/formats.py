@@ -21,6 +21,7 @@ from harness.report import format as fmt  # noqa: E402
 from harness.report.document import Block, Figure, Heading, Paragraph, Table  # noqa: E402
 from harness.report.groups import Group, cached_rows, plain_cache_strategy  # noqa: E402
 from harness.report.plots import DPI, MARKERS  # noqa: E402
+from harness.report.verdicts import Comparison, compare  # noqa: E402
 
 HEADER = ["series", "batch", "ctx", "bytes/token", "× plain cache bytes", "speedup measured", "speedup predicted",
           "top-1 agreement", "KL mean (nats)", "max |Δlogit|", "perplexity exact → cache"]
@@ -66,12 +67,19 @@ def comparisons(group: Group) -> list[dict]:
         found.append({
             "series": row[SERIES], "batch": int(row["batch"]), "ctx": int(row["ctx"]),
             "bytes_per_token": per_token, "bytes_ratio": per_token / plain_per_token,
-            "measured": None if noisy(row) or noisy(reference) else reference["decode_step_s"] / row["decode_step_s"],
+            "measured": None if noisy(row) or noisy(reference) else speedup(ran, plain_name, row),
             "predicted": reference["analytic_decode_step_s"] / row["analytic_decode_step_s"],
             "top1": row.get("top1_agreement"), "kl": row.get("logit_kl_mean"), "max_abs": row.get("logit_max_abs_error"),
             "perplexity": row.get("perplexity"), "perplexity_reference": row.get("perplexity_reference"),
         })
     return found
+
+
+def speedup(ran: pd.DataFrame, plain_name: str, row) -> Comparison:
+    """The plain cache's step over this row's at its point (above 1: the narrow cache is faster),
+    round by round where the two were timed together (harness.report.verdicts.compare)."""
+    at_point = ran[(ran["batch"] == row["batch"]) & (ran["ctx"] == row["ctx"])]
+    return compare(at_point[at_point[SERIES] == plain_name], at_point[at_point[SERIES] == row[SERIES]])
 
 
 def perplexity_text(found: dict) -> str:
@@ -108,7 +116,7 @@ def speedup_against_accuracy(group: Group, found: list[dict], folder: Path) -> P
     fig, ax = plt.subplots(figsize=(8.0, 4.8))
     for i, series in enumerate(sorted({f["series"] for f in measured})):
         mine = [f for f in measured if f["series"] == series]
-        ax.plot([f["measured"] for f in mine], [max(f["kl"], 1e-12) for f in mine], MARKERS[i % len(MARKERS)],
+        ax.plot([f["measured"].ratio.median for f in mine], [max(f["kl"], 1e-12) for f in mine], MARKERS[i % len(MARKERS)],
                 ms=8, label=series)
     ax.axvline(1.0, color="#999", lw=0.8)
     ax.set_yscale("log")
@@ -139,7 +147,7 @@ def format_section(groups: list[Group], folder: Path) -> list[Block]:
             continue
         shown = True
         body = [[f["series"], fmt.count(f["batch"]), fmt.count(f["ctx"]), fmt.nbytes(f["bytes_per_token"]),
-                 fmt.ratio(f["bytes_ratio"]), "noisy" if f["measured"] is None else fmt.ratio(f["measured"]),
+                 fmt.ratio(f["bytes_ratio"]), "noisy" if f["measured"] is None else f["measured"].text(),
                  fmt.ratio(f["predicted"]),
                  "–" if pd.isna(f["top1"]) else f"{f['top1']:.3f}", "–" if pd.isna(f["kl"]) else f"{f['kl']:.3g}",
                  "–" if pd.isna(f["max_abs"]) else f"{f['max_abs']:.3g}", perplexity_text(f)] for f in found]
