@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: every strategy in bf16 on CUDA at `tiny` and the 8B width, then the rows.
-# Prepared for a lent GPU machine; not yet run (no GPU was lent to the sessions so far).
-# On the lent H200 (torch present, no hydra-core): carry hydra-core, omegaconf and
-# antlr4-python3-runtime as wheels in .whl/ (see the device tool's README) and install them first:
+# For a CUDA machine. Where torch is installed but hydra-core is not and there is no network, carry
+# hydra-core, omegaconf and antlr4-python3-runtime as wheels in .whl/ and install them first:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Usage: bash scripts/gpu_check.sh [results_dir]   (budget: under 8 minutes)
 set -euo pipefail

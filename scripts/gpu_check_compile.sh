@@ -3,7 +3,7 @@
 # batch {1, 16} x ctx {1024, 8192}, three ways: eager, compile=inductor (mode reduce-overhead on CUDA:
 # inductor's kernels replayed from CUDA graphs) and timing.cuda_graphs=true (the eager step captured
 # once and replayed); then the three step times and bandwidth fractions side by side.
-# Prepared for a lent GPU machine; not yet run. Setup on the lent H200 as in scripts/gpu_check.sh.
+# For a CUDA machine; set up as scripts/gpu_check.sh says.
 # Usage: bash scripts/gpu_check_compile.sh [results_dir]   (budget: under 8 minutes)
 set -euo pipefail
 out=${1:-${OUT:-/tmp}/gpu_check_compile}

@@ -55,8 +55,8 @@ def git_commit() -> str | None:
 
 
 def same_code(row_commit: str | None, current: str | None) -> bool:
-    """Whether a row's git_commit names the code running now. A bare `+dirty` (written before the
-    digest existed) names no code state, so it is never the same; outside git (None) nothing can be
+    """Whether a row's git_commit names the code running now. A bare `+dirty` (no digest of the
+    changes) names no code state, so it is never the same; outside git (None) nothing can be
     told apart, so None matches None."""
     if row_commit is None or current is None:
         return row_commit == current

@@ -16,8 +16,8 @@ Page size. The layouts are measured twice, each time in a fresh process: on the 
 and with every large CPU tensor on 2 MiB pages (torch's THP_MEM_ALLOC_ENABLE, the run option
 `hugepages=true`). A paged pool handed out in shuffled order puts every block on a page of its own:
 at block 16 (4 KiB of one head's keys at D=64) each block is a page-table walk whose entries are
-scattered too, where a contiguous table's walks are sequential. That costs paged16 15-20% of the
-step on 4 KiB pages and nothing on 2 MiB pages (docs/performance.md), so the targets, which say a
+scattered too, where a contiguous table's walks are sequential. That can cost paged16 a sixth of the
+step on 4 KiB pages and nothing on 2 MiB pages (this test prints both), so the targets, which say a
 layout costs its bytes, are asserted where the bytes are all that differs: both layouts on 2 MiB
 pages. The 4 KiB figures are printed beside them, as the price of the page size.
 Run: `python -m pytest -m target tests/benchmarks/test_layout_targets.py -s` (prints the table).
