@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.measure.point import measure_point
+from harness.measure.group import measure_point
 from harness.store import calibration as calibrate
 from tests.conftest import TINY, planned_point, run_cli
 
@@ -100,7 +100,8 @@ def test_hosts_sharing_a_results_folder_keep_their_own_records(tmp_path):
 
 
 def point(prefill: str):
-    return planned_point("model=tiny", "strategy=contiguous", "batch=2", "ctx=24", "decode_tokens=4", f"prefill={prefill}")
+    return planned_point("model=tiny", "strategy=contiguous", "batch=2", "ctx=24", "decode_tokens=4", f"prefill={prefill}",
+                         "timing.max_passes=1")  # one pass: each position timed once
 
 
 def test_random_prefill_fills_the_same_cache_and_times_the_same_steps(monkeypatch):

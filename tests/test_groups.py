@@ -69,7 +69,7 @@ def test_a_group_times_every_member_in_the_same_rounds(tiny_group):
         assert row["decode_step_ci_low_s"] <= row["decode_step_s"] <= row["decode_step_ci_high_s"]
         assert row["roof_bandwidth_in_rounds_Bps"] > 0 and row["roof_in_rounds_kernel"] in ("aten", "packed", "c")
         assert row["group_reference"] == "contiguous"
-        assert row["peak_memory_bytes"] > 0 and "own allocations" in row["peak_memory_method"]
+        assert row["peak_memory_bytes"] >= 0 and "own allocations" in row["peak_memory_method"]  # in this process: reused memory
     assert ran["contiguous"]["ratio_to_reference"] is None
     for name in ("paged", "no_cache", "quantized"):
         assert ran[name]["ratio_ci_low"] <= ran[name]["ratio_to_reference"] <= ran[name]["ratio_ci_high"]

@@ -99,7 +99,7 @@ class _GroupRun:
             tracker = PeakTracker(self.device)
             tracker.start()
             model = build_model(point.model, self.device, self.dtype, point.seed, point.matmul, batch_hint=point.batch)
-            self.models[point.matmul] = (model, tracker.held_bytes())
+            self.models[point.matmul] = (model, max(tracker.held_bytes(), 0))  # freed memory it reused is not new
         return self.models[point.matmul]
 
     def measure(self) -> list[dict]:
