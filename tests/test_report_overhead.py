@@ -7,6 +7,7 @@ import pytest
 
 from harness.analysis.results import load
 from harness.report.build import build_report
+from harness.report.document import to_markdown
 from harness.report.groups import groups_of
 from harness.report.overhead import overhead_section, unexplained
 from harness.store.files import write_row
@@ -19,6 +20,12 @@ def _section(text: str, heading: str) -> str:
     part = text[text.index(f"## {heading}"):]
     end = part.find("\n## ", 1)
     return part if end < 0 else part[:end]
+
+
+def overhead_markdown(folder, tmp_path) -> str:
+    """The two overhead sections as the report writes them, without drawing the report's plots (the
+    whole report is built once, by test_unexplained_share_is_one_minus_roofline_over_measured)."""
+    return to_markdown(overhead_section(groups_of(load(folder)), tmp_path))
 
 
 def with_compiled(folder, factor: float = 0.5, keep=lambda row: True):
@@ -65,7 +72,7 @@ def test_a_row_faster_than_its_roof_is_clipped_at_zero_and_called_noisy(tmp_path
 
 def test_eager_against_compiled_shows_the_speedup_of_paired_points_only(tmp_path):
     folder = with_compiled(write_results(tmp_path / "r", **POINTS), keep=lambda row: row["ctx"] == 64)
-    text = build_report(folder, out_dir=tmp_path / "out").markdown.read_text()
+    text = overhead_markdown(folder, tmp_path)
     section = _section(text, "Eager against compiled")
     lines = [line for line in section.splitlines() if line.startswith("| contiguous")]
     assert len(lines) == 2 and all("| 64 |" in line for line in lines)  # ctx=256 ran eager only: not shown
@@ -77,7 +84,7 @@ def test_eager_against_compiled_shows_the_speedup_of_paired_points_only(tmp_path
 
 
 def test_without_compiled_rows_the_section_gives_the_sweep_that_would(tmp_path):
-    text = build_report(write_results(tmp_path / "r", **POINTS), out_dir=tmp_path / "out").markdown.read_text()
+    text = overhead_markdown(write_results(tmp_path / "r", **POINTS), tmp_path)
     section = _section(text, "Eager against compiled")
     assert ("`python -m harness.run -m model=cpu_small strategy=contiguous compile=none,inductor "
             "batch=1,4 ctx=256,1024 device=cpu`") in section
@@ -98,8 +105,7 @@ def test_a_roof_set_by_a_stream_is_set_beside_the_matrix_vector_read(tmp_path):
         row = pd.read_parquet(path).iloc[0].to_dict()
         path.unlink()
         write_row(folder, {**row, "roof_bandwidth_gemv_Bps": 0.6 * row["roof_bandwidth_Bps"]})
-    section = _section(build_report(folder, out_dir=tmp_path / "out").markdown.read_text(),
-                       "What the roofline does not explain")
+    section = _section(overhead_markdown(folder, tmp_path), "What the roofline does not explain")
     assert "its best matrix-vector product, the kind of read a step makes, reached" in section
     assert "would already leave 40% of its time unexplained" in section
     table = load(folder)
