@@ -40,7 +40,7 @@ from strategies.paged import PagedStrategy
 from strategies.static_full import StaticFullStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl, interleaved_medians
 
-pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/performance.md)
+pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 # The heavy point's model at 4x its context: the cache is ~32x the weights a step reads, so the step's
 # time, not only its bytes, is the cache's (at 2048 tokens a third of the step is per-op overhead).

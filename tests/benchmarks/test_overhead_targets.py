@@ -34,7 +34,7 @@ from harness.model.cpu_gemv import gemv, unavailable
 from strategies.contiguous import ContiguousStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, SEED, interleaved_medians
 
-pytestmark = [pytest.mark.target,  # opt-in (`pytest -m target`): not met on every CPU (docs/performance.md)
+pytestmark = [pytest.mark.target,  # opt-in (`pytest -m target`): not met on every CPU (docs/benchmarking.md)
               pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler"),
               pytest.mark.skipif(unavailable() is not None, reason=f"the C linear: {unavailable()}")]
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
