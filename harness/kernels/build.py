@@ -92,8 +92,22 @@ def _first_error(error: BaseException) -> str:
     text = str(error)
     if isinstance(error, subprocess.CalledProcessError) and error.output:
         text = error.output.decode(errors="replace") if isinstance(error.output, bytes) else str(error.output)
-    lines = text.splitlines()
-    return next((line.strip() for line in lines if "error" in line.lower()), lines[0] if lines else repr(error))[:200]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # A compiler's own diagnostic ("file:line: error: ...") says most; else the first line that errs.
+    wanted = [line for line in lines if "error:" in line] or [line for line in lines if "error" in line.lower()]
+    return (wanted or lines or [repr(error)])[0][:200]
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH: where it is not there, the `ninja` package's (a dependency of
+    the project) is put first, as in an environment used without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then fails, saying ninja is needed
+    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
 
 
 def build_and_load(cxx: str) -> Path:
@@ -106,6 +120,8 @@ def build_and_load(cxx: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     building = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     from torch.utils import cpp_extension  # imported only to build
+
+    _put_ninja_on_path()
 
     try:
         building.mkdir()
