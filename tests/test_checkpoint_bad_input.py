@@ -149,3 +149,17 @@ def test_the_cli_refuses_in_one_line_and_writes_nothing(copy, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: model.checkpoint:") and "model.safetensors" in lines[0]
     assert not results.exists() or not any(results.rglob("*.parquet"))
+
+
+def test_a_checkpoint_changed_after_planning_fails_its_point(copy):
+    """The plan hashed the folder; the point's process finds another hash and refuses to measure."""
+    import torch
+
+    from harness.measure.point import start_decode
+    from harness.model.checkpoint import CheckpointError
+
+    point = plan(["device=cpu", "model=tiny", f"model.checkpoint={copy}", "ctx=8", "decode_tokens=2"],
+                 cuda_available=NO_CUDA).jobs[0].point
+    edit_config(copy, rms_norm_eps=1e-5)  # still a valid checkpoint, other weights' behaviour
+    with pytest.raises(CheckpointError, match="changed since the sweep was planned"):
+        start_decode(point, lambda: None, torch.Generator().manual_seed(0))

@@ -10,6 +10,7 @@ import torch
 from harness.config import Point
 from harness.measure.accuracy import not_measured, reference_strategy, teacher_forced
 from harness.measure.prompts import point_prompt
+from harness.model.checkpoint import check_unchanged
 from harness.measure.timing import StepStats, StepTimer
 
 
@@ -30,6 +31,8 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
     in one fixed order, so every caller that seeds the same generator gets the same prompt, cache and
     tokens."""
     vocab = point.model.vocab_size
+    if point.checkpoint_hash is not None:  # the weights the row will name are the ones planned
+        check_unchanged(point.model.checkpoint, point.checkpoint_hash)
     session = new_session()
     if point.prefill == "random":
         session.fill_random(point.ctx, generator)

@@ -121,6 +121,14 @@ def _read_checkpoint(path: Path, _stamp: tuple) -> Checkpoint:
                       content_hash=digest.hexdigest()[:16])
 
 
+def check_unchanged(folder: str, planned_hash: str) -> None:
+    """CheckpointError when the folder's content hash is no longer the one its point was planned with
+    (a row must not name weights other than the ones it measured)."""
+    found = read_checkpoint(folder).content_hash
+    if found != planned_hash:
+        raise CheckpointError(f"'{folder}' changed since the sweep was planned (hash {found}, planned {planned_hash})")
+
+
 def _family(config: dict, config_path: Path) -> str:
     if config.get("quantization_config"):
         method = (config["quantization_config"] or {}).get("quant_method", "unnamed")

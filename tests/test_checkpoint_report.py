@@ -1,0 +1,41 @@
+"""The report's "what fewer bytes buy" says where each group's accuracy came from: a checkpoint (its
+folder and hash) or seeded random weights, with the warning that those do not predict real accuracy."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+
+from harness.report.formats import RANDOM_WEIGHTS_WARNING, perplexity_text, weights_note
+
+QUANTIZED = {"status": "ok", "decode_step_s": 1e-3, "caches_kv": True, "cache_value_bits": 8}
+
+
+def note(*rows: dict) -> str:
+    return weights_note(SimpleNamespace(rows=pd.DataFrame([{**QUANTIZED, **row} for row in rows])))
+
+
+def test_random_weights_carry_the_warning():
+    said = note({"weights": "random", "prompt": None})
+    assert RANDOM_WEIGHTS_WARNING in said and "no perplexity was measured" in said
+
+
+def test_rows_written_before_weights_were_recorded_count_as_random():
+    assert RANDOM_WEIGHTS_WARNING in note({})
+
+
+def test_a_checkpoint_is_named_with_its_hash_and_prompt_file():
+    said = note({"weights": "checkpoint", "checkpoint": "/models/llama", "checkpoint_hash": "abc123",
+                 "prompt": "/data/text.txt"})
+    assert "checkpoint's weights: `/models/llama` (hash abc123)" in said and "`/data/text.txt`" in said
+    assert RANDOM_WEIGHTS_WARNING not in said
+
+
+def test_a_group_mixing_both_says_so():
+    said = note({"weights": "checkpoint", "checkpoint": "/m", "checkpoint_hash": "h"}, {"weights": "random"})
+    assert "/m" in said and "Some of these rows have seeded random weights" in said
+
+
+def test_perplexity_reads_exact_to_cache():
+    assert perplexity_text({"perplexity": 12.5, "perplexity_reference": 12.0}) == "12 → 12.5 (+0.5)"
+    assert perplexity_text({"perplexity": None, "perplexity_reference": None}) == "–"
