@@ -122,6 +122,7 @@ def test_a_run_that_beats_the_stored_roofs_names_calibrate_true(tmp_path):
     assert row.noisy and "roof was underestimated" in row.noise_reason
 
 
+@pytest.mark.slow  # through the CLI; the stored-contended warning itself: the in-process tests above
 def test_a_stored_contended_record_is_named_when_reused(tmp_path):
     save(tmp_path, dataclasses.replace(fake_calibration(), contention=0.4))
     result = cli(*FAST, "strategy=contiguous", f"results_dir={tmp_path}")

@@ -105,6 +105,7 @@ def two_failed_rows(tmp_path):
     return results, one, two
 
 
+@pytest.mark.slow  # a rerun rule through the CLI: the slow tier (the rules themselves: test_rerun_rules)
 def test_failed_rows_are_measured_again_by_default_and_the_closing_line_counts_them(tmp_path):
     results, one, two = two_failed_rows(tmp_path)
     rerun = cli("-m", *FAST, "batch=1", f"results_dir={results}")

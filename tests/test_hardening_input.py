@@ -200,7 +200,16 @@ def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, args):
     assert not list(tmp_path.iterdir()) and set(os.listdir("/")) == before
 
 
-@pytest.mark.parametrize("below", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("below", [False, True])
+def test_results_dir_naming_a_file_is_refused_by_the_plan(tmp_path, below):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert refusal(f"results_dir={a_file / 'below' if below else a_file}").startswith("results_dir:")
+    assert sorted(tmp_path.iterdir()) == [a_file] and a_file.read_text() == "x"
+
+
+@pytest.mark.slow  # through the CLI; the plan's refusal: the test above
+@pytest.mark.parametrize("below", [False, True])
 def test_results_dir_naming_a_file_is_one_line(tmp_path, below):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")

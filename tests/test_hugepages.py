@@ -47,6 +47,16 @@ def test_the_default_leaves_point_keys_as_they_were():
     assert planned_point(*POINT, "hugepages=true").key != default.key
 
 
+def test_hugepages_without_isolation_is_refused_by_the_plan(results_dir):
+    from harness.config import ConfigError
+    from harness.run.plan import plan
+
+    with pytest.raises(ConfigError, match="^hugepages: .*isolate=true"):
+        plan(["model=tiny", "device=cpu", "isolate=false", "hugepages=true", f"results_dir={results_dir}"],
+             cuda_available=lambda: False)
+
+
+@pytest.mark.slow  # through the CLI; the plan's refusal: the test above
 def test_hugepages_without_isolation_is_refused(results_dir):
     done = run_cli("model=tiny", "device=cpu", "isolate=false", "hugepages=true", f"results_dir={results_dir}",
                    timeout=120)

@@ -21,7 +21,7 @@ PLUGIN = "plugin_cache"
 def swept(tmp_path_factory):
     results = seeded(tmp_path_factory.mktemp("plugin") / "results")  # a planted calibration: no roofs measured
     done = run_cli("-m", f"hydra.searchpath=[file://{PLUGIN_CONF}]", "device=cpu", "model=tiny",
-                   f"strategy=no_cache,contiguous,{PLUGIN}", "batch=1,2", "ctx=8,16", "decode_tokens=4",
+                   f"strategy=no_cache,contiguous,{PLUGIN}", "batch=1,2", "ctx=8", "decode_tokens=4",
                    "isolate=false", f"results_dir={results}")
     assert done.returncode == 0, done.stderr
     return results
@@ -42,7 +42,7 @@ def trusted(swept, tmp_path):
 def test_the_plugin_runs_beside_the_shipped_strategies_and_is_exact(swept):
     rows = pd.read_parquet(swept)
     mine = rows[rows.strategy == PLUGIN]
-    assert len(mine) == 4 and (mine.status == "ok").all()
+    assert len(mine) == 2 and (mine.status == "ok").all()
     assert (mine.strategy_class == "tests.plugin.plugin_strategy.PluginCacheStrategy").all()
     assert mine.caches_kv.all() and mine.kernel.str.startswith("python list").all()
     assert (rows.groupby(["batch", "ctx"]).tokens_digest.nunique() == 1).all()  # same tokens as no_cache
