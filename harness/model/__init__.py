@@ -1,4 +1,4 @@
-"""Stage 2 of the pipeline: the Llama-3-style decoder with seeded random weights, and its CPU linears."""
+"""Stage 2 of the pipeline: the Llama-3-style decoder, its weights (seeded random, or a Hugging Face checkpoint's), and its CPU linears."""
 from harness.model.build import build_model
 from harness.model.decoder import Decoder, RotaryTable
 
