@@ -140,6 +140,43 @@ def test_the_operators_schemas_and_fake_implementations():
     torch.library.opcheck(kernels.decode_attention.default, (q, k, v, 30, 20))
     torch.library.opcheck(kernels.gemv.default, (torch.randn(3, 64, generator=generator), torch.randn(40, 64)))
     torch.library.opcheck(kernels.rms_norm.default, (torch.randn(3, 64, generator=generator), torch.ones(64), 1e-5))
+    pools = [torch.randn(6, 2, 8, 64, generator=generator) for _ in range(2)]  # [n_blocks, n_kv, block_size, D]
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)  # [B, max_blocks]
+    torch.library.opcheck(kernels.paged_decode_attention.default, (q, *pools, table, 20))
+
+
+def test_the_block_operators_schemas_say_what_they_write():
+    """attention_output_and_ffn_ writes its residual stream (Tensor(a!)) and nothing else; attention_input
+    writes nothing it is given."""
+    generator = torch.Generator().manual_seed(1)
+    d_model, heads, kv_heads, dim, ffn = 32, 4, 2, 8, 48
+
+    def weight(*shape):
+        return torch.randn(*shape, generator=generator) * 0.1
+
+    x = torch.randn(2, 1, d_model, generator=generator)  # [B, T, d_model]
+    tables = [torch.randn(16, dim, generator=generator) for _ in range(2)]  # cos, sin [max_len, D]
+    kernels = build.ops()
+    torch.library.opcheck(kernels.attention_input.default,
+                          (x, torch.ones(d_model), 1e-5, weight((heads + 2 * kv_heads) * dim, d_model), *tables, 3,
+                           heads, kv_heads))
+    torch.library.opcheck(kernels.attention_output_and_ffn_.default,
+                          (x, torch.randn(2, 1, heads, dim, generator=generator), weight(d_model, heads * dim),
+                           torch.ones(d_model), 1e-5, weight(2 * ffn, d_model), weight(d_model, ffn)))
+
+
+def test_the_quantized_operators_schemas_say_what_they_write():
+    generator = torch.Generator().manual_seed(2)
+    int8 = build.EXTENSION.constants["FORMAT_INT8"]
+    rows = torch.randn(1, 2, 3, 32, generator=generator)  # [B, n_kv, n, D]
+    payload, scales = torch.zeros(1, 2, 8, 32, dtype=torch.int8), torch.zeros(1, 2, 8, 1)  # [B, n_kv, S, W], [.., D/span]
+    kernels = build.ops()
+    torch.library.opcheck(kernels.quantize_rows_.default, (rows, payload, scales, int8, 32, 2))
+    kernels.quantize_rows_(rows, payload, scales, int8, 32, 0)
+    window = torch.randn(1, 2, 4, 32, generator=generator)  # [B, n_kv, R, D]
+    q = torch.randn(1, 2, 2, 32, generator=generator)  # [B, n_kv, G, D]
+    torch.library.opcheck(kernels.quantized_decode_attention.default,
+                          (q, payload, scales, payload, scales, window, window, 3, 2, int8, 32, 0))
 
 
 def test_a_bad_call_says_what_is_wrong():
