@@ -125,7 +125,7 @@ class Strategy(ABC):
     backends: ClassVar[tuple[str, ...]] = ()  # kernel families `strategy.backend` may name besides auto
     graph_capturable: ClassVar[bool] = True  # a decode step can be captured in a CUDA graph and replayed
     # A decode step traces into one torch.compile graph (fullgraph) whose shapes do not change with the
-    # position: its kernels are torch ops or registered custom ops (a ctypes call is neither). Opt-in:
+    # position: its kernels are torch ops or registered custom ops (an opaque foreign call is neither). Opt-in:
     # compile=inductor makes a point of a strategy that does not declare it a skipped row.
     compilable: ClassVar[bool] = False
 
