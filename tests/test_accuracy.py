@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from harness.measure.accuracy import teacher_forced
-from harness.measure.point import measure_point
+from harness.measure.group import measure_point
 from strategies.contiguous import ContiguousLayerCache, ContiguousStrategy
 from tests.conftest import GQA4, cpu_model, planned_point
 

@@ -81,7 +81,7 @@ def fake_cfg(**keys):
 
 
 def test_rerun_rules():
-    from harness.run.app import rerun_reason
+    from harness.run.execute import rerun_reason
     from harness.run.metadata import git_commit
     from harness.store.files import FinishedRow
 

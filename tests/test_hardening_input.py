@@ -73,7 +73,7 @@ def test_glob_sweeps_expand_like_hydra():
 
 
 def test_the_largest_int64_seed_runs_and_writes(tmp_path):
-    from harness.measure.point import measure_point
+    from harness.measure.group import measure_point
 
     point = planned(f"seed={INT64_MAX}")[0].point
     row = build_row(point, measure_point(point))
