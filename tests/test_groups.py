@@ -108,6 +108,12 @@ def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
     assert len({p.key for g in repeated for p in g.points}) == 12
 
 
+def test_the_recompute_reference_is_timed_apart_from_the_caches():
+    groups = form_groups(_jobs("strategy=no_cache,contiguous,paged"), "shape", 1, seed=0)
+    members = sorted(sorted(p.strategy.name for p in g.points) for g in groups)
+    assert members == [["contiguous", "paged"], ["no_cache"]]
+
+
 def test_grouping_is_one_choice_per_command_line():
     from harness.config import ConfigError
 

@@ -114,8 +114,12 @@ class Point:
 
     def group_key(self) -> str:
         """What a point shares with the points it is timed with (harness.run.groups): everything but the
-        strategy, the linear kernel, the compile mode and the accuracy reference that follows the strategy."""
+        strategy, the linear kernel, the compile mode and the accuracy reference that follows the strategy;
+        and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
+        memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds
+        cannot cancel, and its long steps would cap the rounds of every cached member beside it."""
         shared = {k: v for k, v in self.identity().items() if k not in ("strategy", "matmul", "compile", "reference")}
+        shared["caches_kv"] = self.strategy.caches_kv
         canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -116,7 +116,12 @@ class GemvBlock(nn.Module):
 
 def use_gemv(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` by a GemvLinear and every RMSNorm by a GemvRMSNorm, over the
-    same weights, then wrap every decoder Block in a GemvBlock; returns how many linears."""
+    same weights, then wrap every decoder Block in a GemvBlock; returns how many linears. The kernels'
+    extension is loaded (built if need be) here, in the process that will call it: a point whose only C
+    calls are the model's (no strategy kernel loaded it) must find its operators registered."""
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(f"matmul=c cannot run here: {reason}")
     linears = swap_modules(model, nn.Linear, GemvLinear)
     swap_modules(model, RMSNorm, GemvRMSNorm)
     swap_modules(model, Block, GemvBlock)  # after the others: the block's own modules are the C path's too
