@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of groups timed together: llama3_8b at depth 8 in bf16, contiguous, paged and flash at
 # batch {1, 16} x ctx {1024, 8192}, each shape's strategies interleaved in one process (interleave=shape),
-# then the report. Prepared for a lent GPU machine (an H200); budget: under 8 minutes.
+# then the report. For a GPU machine such as an H200; budget: under 8 minutes.
 # On a machine without hydra-core: carry hydra-core, omegaconf and antlr4-python3-runtime as wheels in
 # .whl/ and install them first:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

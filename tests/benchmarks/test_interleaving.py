@@ -4,10 +4,8 @@
 - The default sweep measured twice, the second time with its strategies listed in the opposite order:
   every cached strategy's ratio to the group's reference agrees within 5% between the two runs
   (measured point by point, minutes apart, such ratios moved by up to 45% on these VMs), and each run
-  finishes in under 5 minutes. The recompute reference's ratio is printed, not asserted: its step is
-  compute-bound and the reference's memory-bound, and on a shared VM the rates of the two drift apart
-  between runs minutes apart (a neighbour on the host's other hyperthread slows arithmetic, not
-  memory), which no interleaving inside one run can cancel.
+  finishes in under 5 minutes. The recompute reference is timed apart from the caches
+  (harness.config.Point.group_key), so it has no ratio to compare.
 - A planted 5% slowdown (tests/plugin/slowed_strategy.py) at the default sweep's number of steps is
   reported as slower than contiguous, not as a tie: the interval of its paired ratio clears 1.
 """
@@ -52,8 +50,6 @@ def test_opposite_orders_agree_and_the_sweep_fits_its_time(tmp_path):
     print(f"\nsweeps: {forward_s:.0f} s and {backward_s:.0f} s")
     print(joined[POINT + ["ratio_to_reference_forward", "ratio_to_reference_backward", "agreement"]].to_string(index=False))
     cached = joined[joined["caches_kv_forward"].astype(bool)]
-    recompute = joined[~joined["caches_kv_forward"].astype(bool)]
-    print(f"recompute reference against the cache: agreement {recompute['agreement'].abs().max():.1%} at worst")
     assert len(cached) >= 20
     worst = cached.loc[cached["agreement"].abs().idxmax()]
     assert abs(worst["agreement"]) <= AGREEMENT, f"{worst[POINT].to_dict()}: {worst['agreement']:+.1%}"
