@@ -1,6 +1,6 @@
 """Read rate of the C decode-attention kernels alone, against torch.mv over the same bytes, in one process.
 
-The figures behind docs/performance.md's "The C kernels rewritten". Each round times, in turn: the
+Each round times, in turn: the
 contiguous kernel on [B, n_kv, L, D] tables, the paged kernel on the same keys and values scattered
 through a shuffled block table (block sizes 16 and 64), and torch.mv over a matrix of the same bytes
 (the memory control). Medians over the rounds, in GB/s of cache read, and each kernel's time against

@@ -6,7 +6,7 @@ copies it; a step writes one position and attends over the filled prefix [0, len
 Attention kernels (`strategy.backend`):
 - `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
 - `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
-  the cache faster than SDPA's CPU kernel (docs/performance.md); the prompt still goes through SDPA. Where the
+  the cache faster than SDPA's CPU kernel (scripts/attention_ab.py); the prompt still goes through SDPA. Where the
   kernel cannot run, the point is skipped with the reason.
 - `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
 """

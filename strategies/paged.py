@@ -11,8 +11,7 @@ Pool layout, per backend (the kernel that reads the pool decides it):
 - `c` and `torch`: head-major, [n_blocks, n_kv, block_size, D], as vLLM's own CUDA paged-attention
   kernel keeps its K cache: one KV head's rows of a block are consecutive (block_size * D floats), so
   the C kernel walks each (sequence, KV head) as runs of whole rows, block after block. Token-major
-  (below) puts a head's consecutive rows n_kv * D floats apart, which a C kernel read more slowly
-  (docs/performance.md). Head dims 64 and 128 take the path the contiguous kernel takes
+  (below) puts a head's consecutive rows n_kv * D floats apart, which a C kernel read more slowly. Head dims 64 and 128 take the path the contiguous kernel takes
   (harness/kernels/csrc/cpu_attention_fixed.h, 8 segments of a sequence read in lockstep). The
   gather (`torch`) copies each head's blocks as runs of block_size * D floats, and SDPA then reads
   rows that are contiguous per head.

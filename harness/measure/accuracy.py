@@ -18,10 +18,11 @@ exactness is proven by token digests and tests instead.
 """
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
+
+from harness.config.validate import target_class
 
 FED_TEXT = "the prompt file's next tokens"
 FED_GREEDY = "its own greedy tokens"
@@ -35,8 +36,7 @@ def not_measured(reason: str) -> dict:
 def reference_strategy(spec: str):
     """The strategy a point's `reference` names ("<module>.<Class>:<backend>"), built."""
     path, _, backend = spec.rpartition(":")
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)(backend=backend)
+    return target_class("reference", path)(backend=backend)
 
 
 def teacher_forced(strategy, reference, model, prompt: torch.Tensor, steps: int,

@@ -6,12 +6,12 @@ eager code and compiled graphs call alike.
 A decode step's linears multiply a handful of rows (the batch) by whole weight matrices, so their
 time is the weight read. The C kernel reads each thread's weight rows as STREAMS interleaved streams
 (why: its source), which reads a small model's matrices faster than aten's and oneDNN's kernels did
-where it was measured (docs/performance.md). Above MAX_ROWS rows (prefill, no_cache's re-run of the
+where it was measured (scripts/step_kernels_ab.py measures them again). Above MAX_ROWS rows (prefill, no_cache's re-run of the
 sequence, large batches) a call goes to aten's `F.linear`, whose blocked GEMM is built for them;
 rows name both (`matmul_kernel`). The weight stays the dense nn.Linear weight: no second copy.
 
 The operators between the linears go with them. Between two weight reads each torch operator runs
-cold, and each call from Python costs more than a warm small operator takes (docs/performance.md). So
+cold, and each call from Python costs more than a warm small operator takes. So
 a block of few rows is two calls (GemvBlock): the RMSNorm, the qkv projection and RoPE; then, after
 the strategy's cache has attended, the output projection and its residual add, the second RMSNorm,
 SwiGLU and its residual add. Calls of more rows run the block's own modules.
@@ -27,7 +27,7 @@ from harness.model.decoder import Block, RMSNorm, RotaryTable
 from harness.model.swap import swap_modules
 
 # Rows up to which the C kernel runs: where it met oneDNN's packed linear on the CPU it was tuned on
-# (docs/performance.md, "The linears through a C small-batch kernel").
+# (scripts/step_kernels_ab.py measures both on the machine at hand).
 MAX_ROWS = 16
 GEMV_KERNEL = Kernel("cpu_gemv.c")
 KERNEL_NAME = f"{GEMV_KERNEL.name} up to {MAX_ROWS} rows (decoder blocks in two calls, linears), aten above"  # rows name it

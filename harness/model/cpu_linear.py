@@ -3,8 +3,8 @@
 A decode step is a handful of skinny matmuls (batch rows against a whole weight matrix). aten's
 `F.linear` (MKL) reads such a weight well at one row but falls behind at a few rows and at larger
 batches, while oneDNN with the weight reordered once into its blocked layout (what torch.compile's
-CPU freezing does) keeps up across batch sizes (docs/performance.md has the figures of the machines
-it was measured on). The reorder happens once per point, before timing; the math is the same
+CPU freezing does) keeps up across batch sizes (scripts/linear_read_rate.py measures both on the
+machine at hand). The reorder happens once per point, before timing; the math is the same
 matmul, so outputs agree to rounding and every strategy's tokens still equal the reference's
 (tests/test_exactness.py).
 

@@ -2,7 +2,7 @@
  * tables, cpu_paged_attention.c for paged pools), for head dimensions 64 and 128.
  *
  * Included by those sources (kernels.h defines MAX_GROUP and MAX_DIM). Why it is shaped this way
- * (docs/performance.md has the measurements):
+ * (scripts/kernel_read_rate.py measures it on the machine at hand):
  * - Compute. Rows are handled as register-wide vectors (LANES floats) in loops of a constant trip
  *   count, and the dot products of LANES keys are reduced together by a transpose tree instead of one
  *   horizontal sum per key and query head: kernels with a horizontal sum per key were compute-bound

@@ -9,7 +9,7 @@
  * Why a kernel of our own: with a GQA group of G query heads per KV head, decode attention does G
  * multiply-adds per cached value, 2 FLOP/B at G = 4, so reading the cache at DRAM speed needs tens of
  * GFLOP/s from G-row matrix products, which SDPA's CPU kernel (G-row GEMMs through the BLAS) does not
- * reach; docs/performance.md has the two kernels' read rates on the machines they were measured on.
+ * reach; scripts/kernel_read_rate.py measures the two kernels' read rates on the machine at hand.
  *
  * How: one task per (sequence, KV head), spread over torch's OpenMP threads. A task walks its keys in
  * blocks of BLOCK with an online softmax (FlashAttention's running max and sum), so each key and value

@@ -5,8 +5,8 @@
  *
  * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operators
  * harness_kernels::gemv, rms_norm, attention_input and attention_output_and_ffn_ (ops.cpp); called by
- * harness/model/cpu_gemv.py. Why it is shaped this way (docs/performance.md has the measurements, the
- * 33 linears of a cpu_small step in a row):
+ * harness/model/cpu_gemv.py. Why it is shaped this way (scripts/step_kernels_ab.py measures the
+ * alternatives on the machine at hand, the 33 linears of a cpu_small step in a row):
  * - A decode step's linears are a weight read: each weight float meets only `rows` inputs. MKL's sgemv
  *   (aten) and oneDNN's packed kernel read the few-MB matrices of a small model well below what the
  *   same cores read in parallel streams, and one core reading one stream reads markedly slower than
@@ -126,7 +126,7 @@ void gemv(const float *x, const float *w, float *out, int64_t n_inputs, int64_t 
 /* out[r] = x[r] * weight / sqrt(mean(x[r]^2) + eps) for rows r < n_inputs of width k_len, on one thread:
  * the block's two norms (inside its calls below) and the final norm before the output head. Through
  * torch (F.rms_norm, a composite of seven operators on a CPU) each of a step's norms runs cold after a
- * weight read, in several operators where this is one loop (docs/performance.md). */
+ * weight read, in several operators where this is one loop. */
 void rms_norm_rows(const float *x, const float *weight, float eps, float *out, int64_t n_inputs, int64_t k_len) {
     for (int64_t r = 0; r < n_inputs; r++) {
         const float *row = x + r * k_len;

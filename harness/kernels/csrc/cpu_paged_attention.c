@@ -17,8 +17,8 @@
  * each run of consecutive keys resolved through the table once. What a paged read costs beyond the
  * contiguous kernel's is the scatter (below), and on 4 KiB pages page walks: each block of a shuffled
  * pool is a page of its own whose table entry is scattered too; on 2 MiB pages most of the gap goes
- * (prefetching the next blocks ahead does not help: it needs the same walks). docs/performance.md
- * has the ratios to the contiguous kernel, by block size and page size, where they were measured.
+ * (prefetching the next blocks ahead does not help: it needs the same walks). scripts/kernel_read_rate.py
+ * measures the ratios to the contiguous kernel, by block size and page size, on the machine at hand.
  *
  * Any other head dimension: the structure of cpu_decode_attention.c's generic path: an online softmax over
  * chunks of CHUNK keys, each key and value row read from memory once; the G dot products of a key row
@@ -37,7 +37,7 @@
  *   away); more streams in flight per core hide the restarts. Against one task per pair (the contiguous
  *   kernel's split, one K and one V stream per core), runs of 2 and 4 lanes read a shuffled pool
  *   faster and runs of 8 slower again (each lane's chunk of values is in flight in L1 at once); for
- *   example, on a 2-core Xeon VM at B=16, n_kv=2, G=2, D=64, 8192 tokens (docs/performance.md): 1.19-1.26x
+ *   example, on a 2-core Xeon VM at B=16, n_kv=2, G=2, D=64, 8192 tokens (scripts/kernel_read_rate.py): 1.19-1.26x
  *   the contiguous kernel's time at block 16 for one lane, 1.06-1.10x for 4, 1.21-1.24x for 8. Rows of
  *   D=128 are twice as wide: LANE_FLOATS caps the floats a step of all lanes reads (4 lanes at D=64, 2
  *   at 128).

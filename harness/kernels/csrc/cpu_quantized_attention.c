@@ -16,8 +16,8 @@
  * (AVX-512, else AVX2; head widths of multiples of 32) does the least per code it can (see "The vector
  * path" below): no dequantized tile, scales applied to the dot products and folded into the softmax
  * weights, int4 decoded by a permute from a 16-entry table, tiles of rows x heads whose sums share one
- * transposing reduction, its own vector exp, prefetch spread over the rows (docs/performance.md has
- * its times against cpu_decode_attention.c's on the same tokens). Other head widths and int4 groups
+ * transposing reduction, its own vector exp, prefetch spread over the rows
+ * (tests/benchmarks/test_quantized_targets.py times it against cpu_decode_attention.c's on the same tokens). Other head widths and int4 groups
  * take the generic path: block routines of the same structure as cpu_decode_attention.c's generic
  * path, with a dequantized tile in between; its vector primitives are this file's own (intrinsics
  * for the codes' conversions, which GCC's vector extensions in vector.h do not express), and need
