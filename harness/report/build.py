@@ -118,12 +118,10 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
     verdicts: list = []
     blocks += [Heading("This machine, point by point"), Paragraph(
-        "One line per measured point (and linear kernel, `matmul`): the verdict there, naming the fastest "
-        "strategy only where its 95% interval clears the next one's (else the strategies tied within the "
-        "intervals), and the fastest step with its interval; the roof that binds it and the share of that "
-        "roof reached; what the plain cache saved against recomputing everything, in time (its interval) "
-        "and in FLOPs (the FLOP saving is always far larger: a cached step waits on bytes); and the peak "
-        "memory of the plain cache's run split into weights, cache and the rest."), summary_table(groups, verdicts),
+        "One line per point: the fastest cache where its 95% interval clears the next one's, else a tie "
+        "(`apart`: compared across runs, not round by round); what the plain cache saves against recomputing, "
+        "in time and in FLOPs (far larger: a cached step waits on bytes); peak memory split."),
+        summary_table(groups, verdicts),
         resolution_paragraph(verdicts)]
     noisy = int(table["noisy"].fillna(False).astype(bool).sum()) if "noisy" in table else 0
     if noisy:

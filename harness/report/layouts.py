@@ -15,9 +15,9 @@ from harness.report import format as fmt
 from harness.report import plots
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.groups import Group, cached_rows, SERIES
-from harness.report.verdicts import pooled_step, verdict
+from harness.report.verdicts import pooled_step, step_text, verdict
 
-HEADER = ["batch", "ctx", "rank", "strategy", "step measured [95%]", "× fastest [95%]", "step roofline", "bytes/step (model)",
+HEADER = ["batch", "ctx", "rank", "strategy", "step measured ±95%", "× fastest [95%]", "step roofline", "bytes/step (model)",
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
 
 
@@ -40,7 +40,7 @@ def ranking_rows(group: Group) -> list[list[str]]:
             allocated = r["kv_cache_bytes"]
             against = judged.comparisons[series].text() if series in judged.comparisons else "fastest"
             body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(series),
-                         f"{fmt.seconds(step.median)} [{fmt.seconds(step.low)}–{fmt.seconds(step.high)}]",
+                         step_text(step),
                          against, fmt.seconds(r.get("analytic_decode_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])

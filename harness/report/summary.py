@@ -1,7 +1,7 @@
 """The report's first screen: one line per measured point of this machine, what it answers at a glance.
 
-Per model x device x dtype x linear kernel x batch x ctx: the verdict there (the fastest strategy where
-its interval clears the next one's, else the strategies tied within the intervals: harness.report.verdicts),
+Per model x device x dtype x linear kernel x batch x ctx: the verdict among the caches there (the fastest
+where its interval clears the next one's, else the caches tied within the intervals: harness.report.verdicts),
 what the plain cache saved against the recompute reference in time (with its interval, compared as the
 verdict is) and in FLOPs (the gap between the two is the report's main story), the roof that binds the
 fastest step and the share of it reached, tokens per second, and the peak memory of the plain cache's
@@ -15,8 +15,8 @@ from harness.analysis import analytic
 from harness.analysis.results import SERIES
 from harness.report import format as fmt
 from harness.report.document import Table
-from harness.report.groups import Group, reference_rows
-from harness.report.verdicts import Verdict, compare, pooled_step, verdict
+from harness.report.groups import Group, cached_rows, reference_rows
+from harness.report.verdicts import Verdict, compare, pooled_step, step_text, verdict
 
 HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
           "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
@@ -42,7 +42,8 @@ def summary_rows(group: Group, verdicts: list[Verdict] | None = None) -> list[li
     ok = group.ok.dropna(subset=["decode_step_s"])
     plain = group.plain_cache()
     for (batch, ctx), rows in ok.groupby(["batch", "ctx"], sort=True):
-        judged = verdict(rows)
+        caches = cached_rows(rows)  # the recompute reference has its own column: what the cache saves
+        judged = verdict(caches if not caches.empty else rows)
         if verdicts is not None:
             verdicts.append(judged)
         fastest = rows[rows[SERIES] == judged.fastest].iloc[0]
@@ -59,7 +60,7 @@ def summary_rows(group: Group, verdicts: list[Verdict] | None = None) -> list[li
         linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
         step = pooled_step(rows[rows[SERIES] == judged.fastest])
         body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
-                     f"{fmt.seconds(step.median)} [{fmt.seconds(step.low)}–{fmt.seconds(step.high)}]",
+                     step_text(step),
                      fmt.number(int(batch) / step.median),
                      str(fastest.get("roof_bound") or "–"), "–" if fmt.missing(fraction) else f"{fraction:.0%}",
                      time_saved, flops_saved, *memory])

@@ -5,7 +5,7 @@ Every comparison the report draws between two strategies' step times goes throug
   compared round by round, pooled over every group both sit in (a sweep's repeats), with the paired
   ratio's bootstrap interval (harness.measure.intervals);
 - rows timed apart (interleave=none, or two runs) get the ratio of their medians with an interval from
-  their own intervals' ends, and are marked as measured apart: on a shared machine two numbers
+  their own intervals' ends, and are marked `apart`: on a shared machine two numbers
   measured minutes apart differ by the machine's drift as much as by the strategies.
 A ratio whose interval holds 1 is a tie, never a winner. `verdict` names the fastest strategy of a
 point only where its interval clears the next one's, else the members tied within the interval.
@@ -37,12 +37,31 @@ class Comparison:
         return not self.ratio.excludes(1.0)
 
     def text(self) -> str:
-        """`1.48x [1.41–1.55]`, or a tie with the interval that holds 1; `(apart)` when not paired."""
+        """`1.48x [1.41–1.55]`, or `tie (1.02x, 0.97–1.07)`; `apart` when not from rounds timed together."""
         r = self.ratio
-        apart = "" if self.paired else ", measured apart"
+        apart = "" if self.paired else " apart"
         if self.tie:
-            return f"tie ({fmt.ratio(r.median)}, {r.low:.2f}–{r.high:.2f}{apart})"
-        return f"{fmt.ratio(r.median)} [{r.low:.2f}–{r.high:.2f}]{'' if self.paired else ' (measured apart)'}"
+            return f"tie ({fmt.ratio(r.median)}, {r.low:.2f}–{r.high:.2f}){apart}"
+        return f"{fmt.ratio(r.median)}{_bounds(r)}{apart}"
+
+
+def _bounds(interval: Interval) -> str:
+    """` [low–high]`, or nothing for an interval of zero width (one value on each side)."""
+    return f" [{interval.low:.3g}–{interval.high:.3g}]" if interval.high > interval.low else ""
+
+
+def ahead(ratio: Interval) -> str:
+    """How much faster the fastest is than another whose time is `ratio` times its own: a percentage
+    below 2x, a factor above, with the interval where it has one."""
+    if ratio.median < 2:
+        bounds = f" [{ratio.low - 1:.0%}–{ratio.high - 1:.0%}]" if ratio.high > ratio.low else ""
+        return f"{ratio.median - 1:.0%}{bounds} faster"
+    return f"{fmt.ratio(ratio.median)}{_bounds(ratio)} faster"
+
+
+def step_text(step: Interval) -> str:
+    """A step time with its interval's half-width, `16.6 ms ±2%` (none where it has no width)."""
+    return fmt.seconds(step.median) + (f" ±{step.half_width:.0%}" if step.high > step.low else "")
 
 
 def _times(row) -> list[float]:
@@ -98,14 +117,13 @@ def verdict(rows: pd.DataFrame) -> Verdict:
     if not comparisons:
         return Verdict(fastest, fastest, comparisons)
     tied = [name for name in order[1:] if comparisons[name].tie]
-    apart = "" if all(c.paired for c in comparisons.values()) else " (some measured apart)"
+    apart = "" if all(c.paired for c in comparisons.values()) else ", apart"
     if not tied:
         second = order[1]
-        ahead = comparisons[second].ratio
-        return Verdict(f"{fastest} ({(ahead.median - 1):.0%} ahead of {second}, {ahead.low - 1:.0%}–{ahead.high - 1:.0%})"
-                       f"{apart}", fastest, comparisons)
+        return Verdict(f"{fastest} ({ahead(comparisons[second].ratio)} than {second}{apart})", fastest, comparisons)
     within = max(comparisons[name].ratio.high for name in tied) - 1
-    return Verdict(f"tie within {within:.0%}: {', '.join([fastest, *tied])}{apart}", fastest, comparisons)
+    return Verdict(f"tie within {within:.0%}: {', '.join([fastest, *tied])}{' (apart)' if apart else ''}",
+                   fastest, comparisons)
 
 
 def resolution(verdicts: list[Verdict]) -> tuple[float, int] | None:
