@@ -154,3 +154,13 @@ def test_the_verdict_names_a_winner_only_where_its_interval_clears():
     assert tied.text.startswith("tie within") and "a" in tied.text and "b" in tied.text
     apart = compare(_rows({"b": [1.05 * t for t in drift]}, group="g1"), _rows({"a": drift}, group="g2"))
     assert not apart.paired and apart.tie and apart.text().endswith(" apart")
+
+
+def test_a_step_that_beats_a_stale_calibration_but_not_its_own_rounds_read_is_not_noisy():
+    from harness.run.row import noise_columns
+
+    row = {"status": "ok", "contention": 0.0, "decode_step_p10_s": 1.0, "decode_step_p90_s": 1.1,
+           "bandwidth_fraction": 1.10, "flops_fraction": 0.1, "bandwidth_fraction_in_rounds": 0.90}
+    assert noise_columns(row)["noisy"] is False
+    assert noise_columns({**row, "bandwidth_fraction_in_rounds": 1.2})["noisy"] is True
+    assert noise_columns({**row, "bandwidth_fraction_in_rounds": None})["noisy"] is True

@@ -84,6 +84,11 @@ def noise_columns(row: dict) -> dict:
     if row["status"] != "ok":
         return {"noisy": None, "noise_reason": None}
     fractions = {name: row[name] for name in ("bandwidth_fraction", "flops_fraction")}
+    in_rounds = row.get("bandwidth_fraction_in_rounds")
+    if in_rounds is not None and fractions["bandwidth_fraction"] is not None:
+        # A step that beats a best-of roof calibrated minutes earlier, but not the read its own rounds
+        # timed, shows that roof stale, not the step wrong: the rounds' read says what the machine gave.
+        fractions["bandwidth_fraction"] = min(fractions["bandwidth_fraction"], in_rounds)
     reasons = noise_reasons(row["contention"], row["decode_step_p10_s"], row["decode_step_p90_s"], fractions)
     return {"noisy": bool(reasons), "noise_reason": "; ".join(reasons)}
 
