@@ -17,6 +17,7 @@ graph compiled later, during the timed steps, is counted (`recompiles_since`).
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -26,6 +27,8 @@ MODES = {"cuda": "reduce-overhead", "cpu": "default"}  # torch.compile's mode pe
 
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far."""
+    if "torch._dynamo" not in sys.modules:
+        return 0  # torch.compile imports dynamo: nothing compiled yet (and no second of importing it to learn so)
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]

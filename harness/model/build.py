@@ -58,8 +58,11 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed
     """
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # on meta: costs nothing
-    model = model.to_empty(device=device)
-    model.tie_output()  # to_empty allocated the tied head apart from the embedding
+    # nn.Module.to_empty, but through torch.empty: to_empty's empty_like on meta tensors runs through
+    # torch._refs, whose first call imports the symbolic-shape machinery (sympy; most of a second of
+    # every run's start-up) to allocate memory the next lines overwrite.
+    model = model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
+    model.tie_output()  # the allocation made the tied head a tensor apart from the embedding
     if cfg.attention_bias and matmul in BIAS_FREE_MATMULS:  # harness.run.resolve refuses it before this
         raise ValueError(f"matmul={matmul} drops a bias; a q/k/v bias (model.attention_bias) needs matmul=aten")
     if cfg.checkpoint is not None:

@@ -129,7 +129,10 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # An empty table, not nn.Embedding's own normal_ init: build_model seeds every weight itself, and
+        # normal_ on the meta device runs through torch._refs, whose first call imports torch._dynamo
+        # (over a second of every run's start-up) for values that are discarded.
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

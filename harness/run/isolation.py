@@ -17,8 +17,9 @@ from typing import Callable
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 # harness.run.app: a child re-imports the main module (harness.run), cheap only if what it imports is here.
-# torch._dynamo: initialising parameters on the meta device imports it (2 s), once per process otherwise.
-_CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "harness.measure.point", "harness.run.app"])
+# Not torch._dynamo (over a second to import): only a compile=inductor point needs it, and its
+# compilation takes far longer than the import.
+_CONTEXT.set_forkserver_preload(["torch", "harness.measure.point", "harness.run.app"])
 
 
 class PointInterrupted(KeyboardInterrupt):
