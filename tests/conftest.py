@@ -1,10 +1,16 @@
-"""Shared test helpers: tiny shapes, in-process generation, and the CLI run in a subprocess."""
+"""Shared test helpers: tiny shapes, in-process generation, the CLI run in a subprocess, and one sweep
+the runner measures for the whole session."""
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -66,6 +72,65 @@ def run_cli(*args: str, module: str = "harness.run", timeout: float = 600, **pop
     )
 
 
+def refused_by_runner(*args: str) -> str:
+    """The one line `python -m harness.run args...` prints when it refuses its command line (exit 2, no
+    traceback, nothing on stdout), from the CLI's own main() run in this process: seconds cheaper than a
+    process of its own (tests/test_bad_input.py refuses one command line through a real process). A
+    command line the runner accepts fails the test before anything is measured in pytest's process."""
+    from harness.run import app
+
+    def plan_then_stop(*plan_args, **plan_kwargs):
+        app_plan(*plan_args, **plan_kwargs)  # raises ConfigError on bad input, which main() reports
+        raise AssertionError(f"the runner accepted {list(args)}")
+
+    app_plan, out, err = app.plan, io.StringIO(), io.StringIO()
+    with mock.patch.object(sys, "argv", ["harness.run", *args]), mock.patch.object(app, "plan", plan_then_stop), \
+            redirect_stdout(out), redirect_stderr(err):
+        code = app.main()
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and not out.getvalue(), err.getvalue()
+    return lines[0]
+
+
 @pytest.fixture
 def results_dir(tmp_path) -> Path:
     return tmp_path / "results"
+
+
+PLUGIN_CONF = REPO_ROOT / "tests" / "plugin" / "conf"  # strategies defined only under tests/, on Hydra's search path
+PLUGIN = "plugin_cache"  # tests/plugin/plugin_strategy.py
+
+# One sweep through the CLI for the whole session, read by the runner's, the plugin's, the calibration's
+# and the baseline comparison's tests: every start of the CLI costs seconds (torch, Hydra, the
+# calibration), and these tests read rows, never change them. It calibrates (a fresh folder, the least
+# budget), times a shipped cache beside a strategy defined under tests/, and records flash as skipped.
+SHARED_SWEEP = ["-m", f"hydra.searchpath=[file://{PLUGIN_CONF}]", "device=cpu", "model=tiny",
+                f"strategy=no_cache,contiguous,flash,{PLUGIN}", "batch=2", "ctx=16,32", "decode_tokens=4",
+                QUICK_CALIBRATION]
+SHARED_SWEEP_POINTS = 8  # 4 strategies x 2 contexts
+
+
+@dataclass(frozen=True)
+class Sweep:
+    results: Path  # its rows, calibration record and Hydra logs: read only (copy_sweep for a folder to change)
+    log: str  # what the command printed, stdout then stderr
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory) -> Sweep:
+    results = tmp_path_factory.mktemp("tiny_sweep") / "results"
+    done = run_cli(*SHARED_SWEEP, f"results_dir={results}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Sweep(results, done.stdout + done.stderr)
+
+
+def copy_sweep(sweep: Sweep, folder: Path, keep=None) -> Path:
+    """A copy of the sweep's rows and calibration record in `folder` (Hydra's logs and any report left
+    behind), with only the rows `keep(row)` is true of when it is given."""
+    import pyarrow.parquet as pq
+
+    shutil.copytree(sweep.results, folder, ignore=shutil.ignore_patterns("_report", "_hydra", "*.parquet"))
+    for path in sorted(sweep.results.glob("*.parquet")):
+        if keep is None or keep(pq.read_table(path).to_pylist()[0]):
+            shutil.copy2(path, folder / path.name)
+    return folder

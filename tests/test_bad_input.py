@@ -5,7 +5,7 @@ import pytest
 
 from harness.run.plan import plan
 from harness.config.validate import ConfigError
-from tests.conftest import run_cli
+from tests.conftest import refused_by_runner, run_cli
 
 NO_CUDA = lambda: False  # noqa: E731
 
@@ -77,6 +77,6 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(results_dir, args):
 
 
 def test_a_point_that_cannot_fit_names_bytes_needed_and_available(results_dir):
-    result = run_cli("model=llama3_70b", "device=cpu", f"results_dir={results_dir}")
-    assert result.returncode == 2
-    assert "does not fit in memory: needs ~" in result.stderr and "GiB available" in result.stderr
+    line = refused_by_runner("model=llama3_70b", "device=cpu", f"results_dir={results_dir}")
+    assert "does not fit in memory: needs ~" in line and "GiB available" in line
+    assert not results_dir.exists()

@@ -23,6 +23,7 @@ from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, noise_reasons
 from harness.run import calibration
 from harness.run.summary import closing_line
 from harness.store.calibration import parse, save
+from tests.conftest import SHARED_SWEEP_POINTS
 from tests.hardening_helpers import FAST, cli, fake_calibration, seeded
 
 # Every point here runs with device=cpu (FAST): the contention measured is the CPUs'.
@@ -129,14 +130,12 @@ def test_a_stored_contended_record_is_named_when_reused(tmp_path):
     assert "took 40% of the CPUs" in result.stdout + result.stderr and "calibrate=true" in result.stdout + result.stderr
 
 
-def test_the_log_has_no_launcher_lines_and_ends_with_the_report_command(tmp_path):
-    result = cli("-m", *FAST, "strategy=contiguous", "batch=1,2", f"results_dir={seeded(tmp_path)}")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+def test_the_log_has_no_launcher_lines_and_ends_with_the_report_command(tiny_sweep):
+    output = tiny_sweep.log  # the session's sweep through the CLI (tests/conftest.py)
     assert "Launching" not in output and "#0 :" not in output
     last = output.strip().splitlines()[-1]
-    assert "2 point(s) in" in last and ": 2 ok." in last
-    assert last.endswith(f"Report: python -m harness.report results_dir={tmp_path}")
+    assert f"{SHARED_SWEEP_POINTS} point(s) in" in last and f": {SHARED_SWEEP_POINTS - 2} ok, 2 skipped." in last
+    assert last.endswith(f"Report: python -m harness.report results_dir={tiny_sweep.results}")
 
 
 @pytest.mark.slow  # one more sweep through the CLI

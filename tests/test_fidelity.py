@@ -10,28 +10,18 @@ import torch
 
 from harness.measure.group import measure_point
 from harness.store import calibration as calibrate
-from tests.conftest import TINY, planned_point, run_cli
+from tests.conftest import TINY, copy_sweep, planned_point, run_cli
 
 
-@pytest.fixture(scope="module")
-def calibrated_run(tmp_path_factory):
-    results = tmp_path_factory.mktemp("calibration") / "results"
-    # A short calibration budget: the kernels stop early and the GEMM shrinks, and the record is as whole.
-    first = run_cli("device=cpu", "model=tiny", "ctx=16", "decode_tokens=4", "calibration_budget_s=2", f"results_dir={results}")
-    assert first.returncode == 0, first.stderr
-    return results, first
-
-
-def test_calibration_is_stored_with_its_timestamp(calibrated_run):
-    results, first = calibrated_run
-    record = json.loads(calibrate.record_path(results, "cpu", "float32").read_text())
+def test_calibration_is_stored_with_its_timestamp(tiny_sweep):
+    record = json.loads(calibrate.record_path(tiny_sweep.results, "cpu", "float32").read_text())  # a fresh folder calibrated
     assert record["read_bandwidth_Bps"] > 1e9 and record["matmul_flops"] > 1e9
-    assert record["timestamp"] and "calibrated cpu/float32" in first.stderr + first.stdout
+    assert record["timestamp"] and "calibrated cpu/float32" in tiny_sweep.log
 
 
 @pytest.mark.slow  # two more runs through the CLI, one calibrating again
-def test_calibration_is_reused_until_forced(calibrated_run):
-    results, _ = calibrated_run
+def test_calibration_is_reused_until_forced(tiny_sweep, tmp_path):
+    results = copy_sweep(tiny_sweep, tmp_path / "results")
     path = calibrate.record_path(results, "cpu", "float32")
     before = path.read_text()
     again = run_cli("device=cpu", "model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
@@ -43,8 +33,8 @@ def test_calibration_is_reused_until_forced(calibrated_run):
     assert path.read_text() != before
 
 
-def test_fractions_are_computed_from_the_rows_own_columns(calibrated_run):
-    rows = pd.read_parquet(calibrated_run[0])
+def test_fractions_are_computed_from_the_rows_own_columns(tiny_sweep):
+    rows = pd.read_parquet(tiny_sweep.results).query("status == 'ok'")
     assert len(rows) >= 1
     expected_bw = rows.bytes_per_step_model / rows.decode_step_s / rows.roof_bandwidth_Bps
     expected_flops = rows.flops_per_step_model / rows.decode_step_s / rows.roof_flops
@@ -138,9 +128,10 @@ def test_random_prefill_writes_random_keys_and_values():
     assert cache.k[:, :, :24].std() > 0.5 and (cache.k[:, :, 24:] == 0).all()
 
 
-def test_rows_name_the_clock_that_timed_them(calibrated_run):
-    rows = pd.read_parquet(calibrated_run[0])
-    assert (rows.timing_method == "perf_counter").all()  # a CPU: no events, no graphs, no flush asked
+def test_rows_name_the_clock_that_timed_them(tiny_sweep):
+    rows = pd.read_parquet(tiny_sweep.results).query("status == 'ok'")
+    # a CPU: no events, no graphs, no flush asked; a group's rows add whom they were interleaved with
+    assert rows.timing_method.str.startswith("perf_counter").all()
 
 
 def test_the_prompt_is_timed_several_times_on_fresh_sessions_within_its_budget():

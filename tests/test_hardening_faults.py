@@ -47,6 +47,7 @@ def test_a_truncated_or_two_row_file_is_not_finished(tmp_path):
     assert finished_row(tmp_path, point.key) is None
 
 
+@pytest.mark.slow  # through the CLI; the rule itself, in process: the test above
 def test_a_truncated_row_is_measured_again(tmp_path):
     results = seeded(tmp_path / "results")
     point = planned(f"results_dir={results}", "isolate=false")[0].point

@@ -19,6 +19,7 @@ from harness.run.plan import plan
 from harness.run.row import build_row
 from harness.store.files import write_row
 from strategies.contiguous import ContiguousStrategy
+from tests.conftest import refused_by_runner
 
 from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     NO_CUDA, TINY, FAST, cli, only_line, refusal, planned, MOUNTABLE, tmpfs,
@@ -187,16 +188,13 @@ def test_hydras_run_folder_is_unique_per_process():
     assert run_dir.endswith(run_id()) and sweep_dir.endswith(run_id()) and str(os.getpid()) in run_id()
 
 
-# One command line through the CLI in the fast tier, the others in the slow tier (each refusal is also
-# checked in process by the plan's tests above).
-@pytest.mark.parametrize("args", [["results_dir="], *(pytest.param(args, marks=pytest.mark.slow) for args in (
-    ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"], ["hydra.job.chdir=true"], ["-m", "model=glob(*)"],
-    [f"seed={2**64}"]))])
-def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, args):
+# The CLI's own main() (in process: tests/conftest.py, refused_by_runner), from a fresh working directory.
+@pytest.mark.parametrize("args", [["results_dir="], ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"],
+                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"]])
+def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args):
     before = set(os.listdir("/"))
-    result = cli(*FAST, *args, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert only_line(result.stderr).startswith("error: ")
+    monkeypatch.chdir(tmp_path)
+    refused_by_runner(*FAST, *args)
     assert not list(tmp_path.iterdir()) and set(os.listdir("/")) == before
 
 

@@ -10,37 +10,23 @@ import sys
 import pandas as pd
 import pytest
 
-from tests.conftest import REPO_ROOT, run_cli
-from tests.hardening_helpers import seeded
-
-PLUGIN_CONF = REPO_ROOT / "tests" / "plugin" / "conf"
-PLUGIN = "plugin_cache"
-
-
-@pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-    results = seeded(tmp_path_factory.mktemp("plugin") / "results")  # a planted calibration: no roofs measured
-    done = run_cli("-m", f"hydra.searchpath=[file://{PLUGIN_CONF}]", "device=cpu", "model=tiny",
-                   f"strategy=no_cache,contiguous,{PLUGIN}", "batch=1,2", "ctx=8", "decode_tokens=4",
-                   "isolate=false", f"results_dir={results}")
-    assert done.returncode == 0, done.stderr
-    return results
+from tests.conftest import PLUGIN, PLUGIN_CONF, REPO_ROOT
 
 
 @pytest.fixture
-def trusted(swept, tmp_path):
+def trusted(tiny_sweep, tmp_path):
     """The sweep's rows with `noisy` cleared: the report leaves noisy rows (timed while others took the
     CPUs) out of its plots, and this test is about where a strategy's name appears, not its timings."""
     from harness.store.files import write_row
 
     folder = tmp_path / "trusted"
-    for _, row in pd.read_parquet(swept).iterrows():
+    for _, row in pd.read_parquet(tiny_sweep.results).iterrows():
         write_row(folder, {**row.to_dict(), "noisy": False, "noise_reason": ""})
     return folder
 
 
-def test_the_plugin_runs_beside_the_shipped_strategies_and_is_exact(swept):
-    rows = pd.read_parquet(swept)
+def test_the_plugin_runs_beside_the_shipped_strategies_and_is_exact(tiny_sweep):
+    rows = pd.read_parquet(tiny_sweep.results)  # the session's sweep (tests/conftest.py) names the plugin
     mine = rows[rows.strategy == PLUGIN]
     assert len(mine) == 2 and (mine.status == "ok").all()
     assert (mine.strategy_class == "tests.plugin.plugin_strategy.PluginCacheStrategy").all()

@@ -13,10 +13,9 @@ from harness.report import compare
 from harness.report.__main__ import main as report_main
 from harness.report.build import build_report
 from harness.store.files import write_row
-from tests.conftest import run_cli
-from tests.hardening_helpers import seeded
+from tests.conftest import copy_sweep
 
-SLOWED = "b=1 ctx=32"  # the point of `contiguous` a copy slows down (see _slow_contiguous_ctx32)
+SLOWED = "b=2 ctx=32"  # the point of `contiguous` a copy slows down (see _slow_contiguous_ctx32)
 
 
 def edit_rows(folder: Path, change) -> None:
@@ -49,13 +48,11 @@ def _slow_contiguous_ctx32(row: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> Path:
-    """no_cache and contiguous at batch 1, ctx 16 and 32, measured by the runner (a planted calibration:
-    no roofs measured), then made steady."""
-    folder = seeded(tmp_path_factory.mktemp("measured") / "results")
-    done = run_cli("-m", "model=tiny", "strategy=contiguous,no_cache", "batch=1", "ctx=16,32", "decode_tokens=4",
-                   "device=cpu", "isolate=false", f"results_dir={folder}")
-    assert done.returncode == 0, done.stderr[-3000:]
+def measured(tiny_sweep, tmp_path_factory) -> Path:
+    """no_cache and contiguous at batch 2, ctx 16 and 32, as the runner measured them in the session's
+    sweep (tests/conftest.py), then made steady."""
+    folder = copy_sweep(tiny_sweep, tmp_path_factory.mktemp("measured") / "results",
+                        keep=lambda row: row["strategy"] in ("no_cache", "contiguous"))
     edit_rows(folder, steady)
     assert len(list(folder.glob("*.parquet"))) == 4
     return folder

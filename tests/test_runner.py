@@ -12,69 +12,58 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.store.schema import COLUMN_NAMES, SCHEMA
-from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, run_cli
+from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, SHARED_SWEEP, SHARED_SWEEP_POINTS, copy_sweep, run_cli
 from tests.hardening_helpers import seeded
 
-TINY_SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=no_cache,contiguous,flash", "batch=2", "ctx=8", "decode_tokens=4",
-              QUICK_CALIBRATION]
 
-
-@pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-    results = seeded(tmp_path_factory.mktemp("sweep") / "results")  # a planted calibration: tests/test_fidelity.py measures one
-    result = run_cli(*TINY_SWEEP, f"results_dir={results}")
-    assert result.returncode == 0, result.stderr
-    return results, result
-
-
-def test_one_row_per_point_readable_with_pandas(swept):
-    results, _ = swept
-    frame = pd.read_parquet(results)
-    assert len(frame) == 3 and list(frame.columns) == COLUMN_NAMES
+# The rows of the session's sweep (tests/conftest.py, tiny_sweep): the runner with isolated points, a real
+# calibration, a skipped strategy and one from tests/plugin/.
+def test_one_row_per_point_readable_with_pandas(tiny_sweep):
+    frame = pd.read_parquet(tiny_sweep.results)
+    assert len(frame) == SHARED_SWEEP_POINTS and list(frame.columns) == COLUMN_NAMES
     assert set(frame.status) == {"ok", "skipped"}
     assert (frame[frame.strategy == "flash"].status == "skipped").all()
     assert frame[frame.strategy == "flash"].reason.str.contains("runs on cuda").all()
     assert frame[frame.status == "ok"].kernel.notna().all()
 
 
-def test_every_file_has_the_schema(swept):
-    results, _ = swept
-    for path in results.glob("*.parquet"):
+def test_every_file_has_the_schema(tiny_sweep):
+    for path in tiny_sweep.results.glob("*.parquet"):
         assert pq.read_schema(path).remove_metadata().equals(SCHEMA)
 
 
-def test_strategies_agree_token_for_token_through_the_runner(swept):
-    frame = pd.read_parquet(swept[0])
+def test_strategies_agree_token_for_token_through_the_runner(tiny_sweep):
+    frame = pd.read_parquet(tiny_sweep.results)
     ok = frame[frame.status == "ok"]
     digests = ok.groupby(["batch", "ctx"]).tokens_digest.nunique()
-    assert (digests == 1).all() and len(digests) == 1
+    assert (digests == 1).all() and len(digests) == 2
 
 
-def test_contiguous_cache_bytes_are_exact(swept):
-    frame = pd.read_parquet(swept[0])
+def test_contiguous_cache_bytes_are_exact(tiny_sweep):
+    frame = pd.read_parquet(tiny_sweep.results)
     rows = frame[frame.strategy == "contiguous"]
     expected = 2 * rows.n_layers * rows.n_kv_heads * rows.head_dim * 4 * rows.batch * (rows.ctx + rows.decode_tokens)
     assert (rows.kv_cache_bytes == expected).all()
     assert (frame[frame.strategy == "no_cache"].kv_cache_bytes == 0).all()
 
 
-def test_progress_names_point_i_of_n(swept):
-    log = swept[1].stdout + swept[1].stderr
-    assert "[1/3]" in log and "[3/3]" in log and "left)" in log
+def test_progress_names_point_i_of_n(tiny_sweep):
+    n = SHARED_SWEEP_POINTS
+    assert "[1/%d]" % n in tiny_sweep.log and "[%d/%d]" % (n, n) in tiny_sweep.log and "left)" in tiny_sweep.log
 
 
 @pytest.mark.slow  # two more runs through the CLI (the rerun rules in process: tests/test_hardening_faults.py)
-def test_rerun_skips_finished_points_unless_overwrite(swept):
-    results, _ = swept
+def test_rerun_skips_finished_points_unless_overwrite(tiny_sweep, tmp_path):
+    results = copy_sweep(tiny_sweep, tmp_path / "results")
     before = {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")}
-    again = run_cli(*TINY_SWEEP, f"results_dir={results}")
-    assert again.returncode == 0 and "3 already measured" in again.stdout + again.stderr
+    again = run_cli(*SHARED_SWEEP, f"results_dir={results}")
+    assert again.returncode == 0 and f"{SHARED_SWEEP_POINTS} already measured" in again.stdout + again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")} == before
-    redo = run_cli("device=cpu", "model=tiny", "batch=2", "ctx=8", "decode_tokens=4", "strategy=contiguous", "overwrite=true",
-                   f"results_dir={results}")
+    redo = run_cli("device=cpu", "model=tiny", "batch=2", "ctx=16", "decode_tokens=4", "strategy=contiguous",
+                   "overwrite=true", f"results_dir={results}")
     assert redo.returncode == 0
     after = {p.name: p.stat().st_mtime_ns for p in results.glob("*.parquet")}
-    assert len(after) == 3 and sum(after[n] != before[n] for n in after) == 1
+    assert len(after) == SHARED_SWEEP_POINTS and sum(after[n] != before[n] for n in after) == 1
 
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(results_dir):
