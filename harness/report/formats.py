@@ -20,7 +20,7 @@ from harness.analysis.results import SERIES  # noqa: E402
 from harness.report import format as fmt  # noqa: E402
 from harness.report.document import Block, Figure, Heading, Paragraph, Table  # noqa: E402
 from harness.report.groups import Group, cached_rows, plain_cache_strategy  # noqa: E402
-from harness.report.plots import DPI, MARKERS  # noqa: E402
+from harness.report.plots import DPI, MARKERS, log_scale  # noqa: E402
 from harness.report.verdicts import Comparison, compare  # noqa: E402
 
 HEADER = ["series", "batch", "ctx", "bytes/token", "× plain cache bytes", "speedup measured", "speedup predicted",
@@ -119,7 +119,7 @@ def speedup_against_accuracy(group: Group, found: list[dict], folder: Path) -> P
         ax.plot([f["measured"].ratio.median for f in mine], [max(f["kl"], 1e-12) for f in mine], MARKERS[i % len(MARKERS)],
                 ms=8, label=series)
     ax.axvline(1.0, color="#999", lw=0.8)
-    ax.set_yscale("log")
+    log_scale(ax, "y", lambda kl: f"{kl:g}")
     ax.set_xlabel("decode step speedup over the plain exact cache (measured)")
     ax.set_ylabel("mean KL(reference || cache), nats")
     ax.set_title(f"What fewer bytes buy, and what they cost\n{group.title}", fontsize=10)

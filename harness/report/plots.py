@@ -8,7 +8,7 @@ share (harness.report.compare), which span groups.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import matplotlib
 
@@ -40,6 +40,36 @@ def _save(fig, folder: Path, name: str) -> Path:
     fig.savefig(path, dpi=DPI)  # every figure is laid out by tight_layout already
     plt.close(fig)
     return path
+
+
+class _LogTicks(matplotlib.ticker.LogFormatterSciNotation):
+    """Labels the ticks matplotlib's log formatter labels (the decades; a few minor ticks on a short axis)
+    as plain text ("10 ms", "1 GB", "0.5x") rather than as powers of ten, which read slower and go
+    through matplotlib's math-text parser, the costliest part of drawing a report's text."""
+
+    def __init__(self, text: Callable[[float], str]):
+        super().__init__()
+        self.text = text  # value -> its label
+
+    def __call__(self, x, pos=None) -> str:
+        return self.text(x) if super().__call__(x, pos) else ""
+
+
+def in_units(unit: str) -> Callable[[float], str]:
+    """Engineering notation with the unit: 0.01 -> "10 ms" for seconds, 2e9 -> "2 GB" for bytes."""
+    return matplotlib.ticker.EngFormatter(unit=unit, sep=" ")
+
+
+def as_ratio(value: float) -> str:
+    return f"{value:g}x"
+
+
+def log_scale(ax, which: str, text: Callable[[float], str]) -> None:
+    """A log scale on the x or y axis (`which`), its ticks labelled by `text`."""
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_formatter(_LogTicks(text))
+    axis.set_minor_formatter(_LogTicks(text))
 
 
 def _context_axis(ax, ctxs) -> None:
@@ -92,11 +122,11 @@ def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) 
             ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(group, strategy),
                         ms=5, capsize=2, label=strategy)
         _context_axis(ax, ok["ctx"])
-        ax.set_yscale("log")
+        log_scale(ax, "y", in_units("s"))
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("context (tokens before the first decode step)")
         ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].set_ylabel("decode step time (s)")
+    axes[0][0].set_ylabel("decode step time")
     axes[0][0].plot([], [], "-", color="#888", label="roofline (lines)")  # legend entry for the lines
     legend = {}  # label -> handle, across panels (a strategy may be missing from one batch)
     for ax in axes[0]:
@@ -134,7 +164,7 @@ def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
                         label=f"measured, {strategy}, batch {batch}")
     ax.axhline(1.0, color="#999", lw=0.8)
     _context_axis(ax, ok["ctx"])
-    ax.set_yscale("log")
+    log_scale(ax, "y", as_ratio)
     ax.set_xlabel("context (tokens before the first decode step)")
     reference = ", ".join(sorted(reference_rows(ok)[SERIES].unique()))
     ax.set_ylabel(f"{reference} ÷ cache, per decode step")
@@ -175,8 +205,8 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
         mine = cached[cached[SERIES] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
                 color=_colour(group, strategy), ms=6, label=f"{strategy}: allocated, measured")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    log_scale(ax, "x", in_units(""))
+    log_scale(ax, "y", in_units("B"))
     ax.set_xlabel("batch × tokens held (ctx + decode_tokens per sequence)")
     ax.set_ylabel("bytes")
     ax.set_title(f"KV cache against weights\n{group.title}", fontsize=10)
@@ -213,9 +243,9 @@ def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
     left.set_ylabel("bytes per token")
     right.set_title("time per token (measured, cached strategies)", fontsize=10)
     right.set_ylabel("seconds per token")
-    for ax in (left, right):
+    for ax, unit in ((left, "B"), (right, "s")):
         _context_axis(ax, ctxs)
-        ax.set_yscale("log")
+        log_scale(ax, "y", in_units(unit))
         ax.set_xlabel("prompt length / context (tokens)")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -250,7 +280,7 @@ def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]
     mem.set_title("memory: equal at equal batch × ctx", fontsize=10)
     tps.bar(x - width / 2, measured_tps, width, color="#ff7f0e", label="measured")
     tps.bar(x + width / 2, roofline_tps, width, color="#ffbb78", label="roofline")
-    tps.set_yscale("log")
+    log_scale(tps, "y", in_units(""))
     tps.set_ylabel("generated tokens per second")
     tps.set_title("throughput: not equal", fontsize=10)
     for ax in (mem, tps):
@@ -308,8 +338,7 @@ def comparison_ratios(labels: list[str], ratios: list[float], verdicts: list[str
         marker, colour = KIND_STYLES[mine[0][2]]
         ax.plot([i for i, _, _ in mine], [r for _, r, _ in mine], marker, color=colour, ms=7, ls="none", label=verdict)
     ax.axhline(1.0, color="black", lw=1.0)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}x"))  # 0.5x, not 5×10⁻¹
+    log_scale(ax, "y", as_ratio)  # 0.5x, not 5×10⁻¹
     ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
     ax.set_ylabel(f"{quantity}: this run ÷ baseline")
     ax.set_title(f"This run against the baseline: {quantity} ratio per point", fontsize=10)
