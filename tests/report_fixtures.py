@@ -17,6 +17,7 @@ from harness.store.calibration import Calibration, save
 from harness.config import CONTIGUOUS, ModelConfig, Point, StrategyChoice, TimingConfig
 from harness.run.row import build_row
 from harness.store.files import write_row
+from strategies.quantized import QuantizedStrategy
 
 # The CPU default's shape (conf/model/cpu_small.yaml), written out so the fixture needs no config file.
 SHAPE = ModelConfig(name="cpu_small", vocab_size=32000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,
@@ -24,17 +25,23 @@ SHAPE = ModelConfig(name="cpu_small", vocab_size=32000, d_model=512, n_layers=8,
 DTYPE = "float32"
 CPU_ROOF = analytic.Roof(flops_per_s=0.23e12, bytes_per_s=19.6e9)  # an example: a 2-core CPU VM's calibrated roofs
 DECODE_TOKENS = 8
-SLOWDOWN = {"contiguous": 2.0, "no_cache": 1.5}  # measured / roofline, so tests know the ratio to expect
+SLOWDOWN = {"contiguous": 2.0, "no_cache": 1.5, "quantized": 2.0}  # measured / roofline, so tests know the ratio to expect
 
 
 STRATEGY_CLASSES = {"no_cache": "strategies.no_cache.NoCacheStrategy",
-                    "contiguous": "strategies.contiguous.ContiguousStrategy", "flash": "strategies.flash.FlashStrategy"}
+                    "contiguous": "strategies.contiguous.ContiguousStrategy", "flash": "strategies.flash.FlashStrategy",
+                    "quantized": "strategies.quantized.QuantizedStrategy"}
+INT8 = QuantizedStrategy(format="int8").cache_layout(SHAPE)  # the layout the strategy declares for this shape
+# How far the fixture's int8 cache moves the outputs (planted: the report sets them beside the speedup).
+INT8_ACCURACY = {"top1_agreement": 0.97, "logit_kl_mean": 2.5e-4, "logit_max_abs_error": 0.031, "accuracy_steps": 8,
+                 "accuracy_reference": "strategies.contiguous.ContiguousStrategy:sdpa"}
 
 
 def point(strategy: str, batch: int, ctx: int) -> Point:
     caches_kv = strategy != "no_cache"  # the fixture's own names; the report reads the capability columns
+    layout = (INT8 if strategy == "quantized" else CONTIGUOUS) if caches_kv else None
     choice = StrategyChoice(name=strategy, strategy_class=STRATEGY_CLASSES[strategy], backend="sdpa",
-                            caches_kv=caches_kv, exact=True, layout=CONTIGUOUS if caches_kv else None)
+                            caches_kv=caches_kv, exact=strategy != "quantized", layout=layout)
     return Point(model=SHAPE, strategy=choice, timing=TimingConfig(), batch=batch, ctx=ctx, decode_tokens=DECODE_TOKENS,
                  device="cpu", dtype=DTYPE, seed=0, prefill="compute", traffic="model", matmul="aten", threads=2)
 
@@ -57,6 +64,8 @@ def row(strategy: str, batch: int, ctx: int, status: str = "ok", reason: str = "
             kv_cache_bytes=cache_bytes, peak_memory_bytes=cache_bytes + 50_000_000,
             tokens_digest=f"digest-b{batch}-c{ctx}", timing_method="perf_counter",
         )
+        if not where.strategy.exact:
+            measured.update(INT8_ACCURACY)
     built = build_row(where, measured, roofs=None)
     built["point_key"] = f"{strategy}-{batch}-{ctx}"
     return built
@@ -74,12 +83,15 @@ def write_calibration(folder: Path) -> Path:
 
 
 def write_results(folder, calibration: bool = True, awkward: bool = True,
-                  batches=(1, 4, 16), contexts=(64, 256, 1024), row_roofs: bool = False) -> Path:
+                  batches=(1, 4, 16), contexts=(64, 256, 1024), row_roofs: bool = False,
+                  quantized: bool = False) -> Path:
     """A results folder: no_cache and contiguous at every batch x ctx, plus the awkward cases.
-    row_roofs: record the CPU roofs in each row, as the runner does once it has calibrated."""
+    row_roofs: record the CPU roofs in each row, as the runner does once it has calibrated.
+    quantized: an int8 cache at every point too, with planted accuracy columns."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [row(s, b, c) for s in ("no_cache", "contiguous") for b in batches for c in contexts]
+    strategies = ("no_cache", "contiguous", "quantized") if quantized else ("no_cache", "contiguous")
+    rows = [row(s, b, c) for s in strategies for b in batches for c in contexts]
     if awkward:
         rows.append(row("flash", 1, 64, "skipped", "flash needs CUDA and float16/bfloat16; this point is cpu float32"))
         rows.append(row("contiguous", 64, 4096, "failed", "RuntimeError: out of memory allocating the cache"))

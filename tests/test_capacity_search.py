@@ -38,6 +38,33 @@ def test_the_search_finds_the_largest_batch_within_the_limit(tmp_path):
     assert (rows.peak_memory_predicted_bytes > rows.weight_bytes).all() and model >= 1 and plan >= model
 
 
+@pytest.mark.parametrize("fits_up_to", [0, 1, 37, 300])
+def test_the_search_finds_the_largest_batch_in_about_log2_probes(tmp_path, fits_up_to):
+    """The fast tier's form of the test above: the search itself, with a planted measurer whose rows'
+    peaks fit the limit up to `fits_up_to` sequences and exceed it beyond."""
+    from harness.run import capacity_search
+    from harness.run.plan import plan
+    from tests.hardening_helpers import plant_row
+
+    planned = plan([*SEARCH, f"results_dir={seeded(tmp_path)}"], cuda_available=lambda: False).jobs[0]
+    asked = []
+
+    def planted_measure(cfg, probe):
+        asked.append(probe.point.batch)
+        path = plant_row(tmp_path, probe.point)
+        frame = pd.read_parquet(path)
+        frame["peak_memory_bytes"] = LIMIT // 2 if probe.point.batch <= fits_up_to else LIMIT + 1
+        path.unlink()
+        frame.to_parquet(path)
+
+    probed, largest = capacity_search.search(planned.config, planned, planted_measure)
+    assert largest == (fits_up_to or None)
+    assert [point.batch for point in probed] == asked and len(set(asked)) == len(asked)  # no batch probed twice
+    assert len(asked) <= 2 * max(fits_up_to, capacity_search.model_max_batch(planned.point)).bit_length() + 2
+    line = capacity_search.answer_line(planned.point, largest)
+    assert f"measured {fits_up_to or 'none (not even 1)'};" in line and "memory model" in line
+
+
 @pytest.mark.parametrize("extra, key", [
     (["memory_limit_bytes=null"], "memory_limit_bytes"),
     (["memory_limit_bytes=-5"], "memory_limit_bytes"),

@@ -108,6 +108,24 @@ def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
     assert len({p.key for g in repeated for p in g.points}) == 12
 
 
+def test_a_launchers_jobs_find_the_groups_they_lead_and_nothing_else(tmp_path):
+    """Jobs of a launcher run in processes of their own: the plan leaves each job a file of the groups it
+    measures (led by the group's first member), an empty one for the jobs whose points another job times."""
+    from harness.run.groups import find_work, leaders, leave_work
+
+    jobs = _jobs("strategy=no_cache,contiguous,paged", "batch=1,2")
+    groups = form_groups(jobs, "shape", 1, seed=0)
+    leave_work(tmp_path, jobs, leaders(groups))
+    found = {tuple(job.overrides): find_work(tmp_path, job.overrides) for job in jobs}
+    led = [group for work in found.values() for group in work]
+    assert sorted(g.group_id for g in led) == sorted(g.group_id for g in groups)  # each group once
+    for group in groups:
+        assert [g.group_id for g in found[tuple(group.jobs[0].overrides)]] == [group.group_id]
+        for member in group.jobs[1:]:
+            assert found[tuple(member.overrides)] == []
+    assert find_work(tmp_path, ["strategy=contiguous", "batch=99"]) is None  # a job no plan left work for
+
+
 def test_the_recompute_reference_is_timed_apart_from_the_caches():
     groups = form_groups(_jobs("strategy=no_cache,contiguous,paged"), "shape", 1, seed=0)
     members = sorted(sorted(p.strategy.name for p in g.points) for g in groups)
