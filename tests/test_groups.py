@@ -182,3 +182,22 @@ def test_a_step_that_beats_a_stale_calibration_but_not_its_own_rounds_read_is_no
     assert noise_columns(row)["noisy"] is False
     assert noise_columns({**row, "bandwidth_fraction_in_rounds": 1.2})["noisy"] is True
     assert noise_columns({**row, "bandwidth_fraction_in_rounds": None})["noisy"] is True
+
+
+def test_a_member_that_does_not_fit_beside_the_others_is_skipped_and_they_are_measured(monkeypatch):
+    """Every member's session stays alive through the rounds: each is checked against the free memory
+    the members before it left (here planted: plenty, until the third read)."""
+    from harness.measure import memory
+
+    points = [planned_point("model=tiny", f"strategy={name}", "ctx=8", "decode_tokens=2") for name in ("contiguous", "paged")]
+    reads = []
+
+    def free_memory(device):  # reads: the discarded trial set-up, the first member, the second
+        reads.append(device)
+        return 1 << 40 if len(reads) < 3 else 1
+
+    monkeypatch.setattr(memory, "available_bytes", free_memory)
+    first, second = measure_group(GroupRequest(group_id="g", members=tuple(points)))
+    assert first["status"] == "ok", first
+    assert second["status"] == "skipped" and "beside the 1 member(s) of its group" in second["reason"], second
+    assert "interleave=none" in second["reason"] and len(reads) == 3

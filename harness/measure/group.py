@@ -106,11 +106,13 @@ class _GroupRun:
         process = PeakTracker(self.device)
         process.start()
         self.prime()
+        ready = 0  # members set up so far: their sessions stay alive through the rounds
         for member in self.members:
             try:
-                member.set_up(*self.model_for(member.point), self.timer)
+                member.set_up(*self.model_for(member.point), self.timer, beside=ready)
             except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
                 member.fail(error)
+            ready += member.live
         live = [m for m in self.members if m.live]
         rounds = self.run_rounds(live, self.read_probe()) if live else None  # nothing to time when none set up
         reference = reference_index(self.members)

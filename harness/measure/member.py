@@ -52,9 +52,10 @@ class Member:
                         "traceback": traceback.format_exc()}
         self.session = self._timed = self._graphed = None
 
-    def set_up(self, model, model_bytes: int, timer: StepTimer) -> None:
+    def set_up(self, model, model_bytes: int, timer: StepTimer, beside: int = 0) -> None:
         """Resolve, build, prefill, compile or capture, warm up; read the member's own peak. On a reason
-        not to run, `outcome` becomes the skipped row's dict and nothing is built."""
+        not to run, `outcome` becomes the skipped row's dict and nothing is built. `beside`: members of
+        the group set up before this one, whose sessions stay alive beside it."""
         point, device, dtype = self.point, torch.device(self.point.device), getattr(torch, self.point.dtype)
         self.strategy = point.strategy.instantiate()
         try:
@@ -66,7 +67,7 @@ class Member:
             self.outcome = not_run("skipped", f"compile={point.compile}: {self.strategy.name} does not declare itself "
                                               "compilable (its decode step does not trace into one torch.compile graph)")
             return
-        if point.device == "cuda" and (reason := shortfall(point)) is not None:  # free GPU memory is known only here
+        if (reason := shortfall(point, beside)) is not None:  # what the members before it left free
             self.outcome = not_run("skipped", reason)
             return
         peak = PeakTracker(device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.analysis import analytic
 from harness.analysis.peak_memory import predicted_peak_bytes
 
 GIB = 2**30
@@ -108,17 +109,25 @@ def available_bytes(device: str) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def shortfall(point) -> str | None:
+def shortfall(point, beside: int | None = None) -> str | None:
     """Why the point cannot fit in its device's free memory (or in `memory_limit_bytes`, when the point
     sets a smaller one: the device is treated as that large), or None when it can. The one memory
-    check of a point: the plan calls it for CPU points before anything runs, the point's own process
-    for CUDA points (free GPU memory is known only there)."""
-    need, have = predicted_peak_bytes(point), available_bytes(point.device)
+    check of a point: the plan calls it for CPU points before anything runs, and a group's process
+    again as it sets each member up (on CUDA the first time: free GPU memory is known only there).
+
+    beside: None before the model is built; at a member's set-up, how many members of its group are set
+    up already. The model's weights are then resident and not needed again, and the free memory read
+    now is what the members before it left: their caches all stay alive until the group's rounds end."""
+    whole = predicted_peak_bytes(point)  # the point's own peak counts the model (as its row's does)
+    need = whole if beside is None else whole - analytic.weight_bytes(point.model, point.dtype)
+    have = available_bytes(point.device)
     limit = point.memory_limit_bytes
     if limit is not None and limit < have:
-        if need <= limit:
+        if whole <= limit:
             return None
-        return f"does not fit in memory_limit_bytes={limit:,}: needs ~{need / 2**20:,.1f} MiB (the memory model)"
+        return f"does not fit in memory_limit_bytes={limit:,}: needs ~{whole / 2**20:,.1f} MiB (the memory model)"
     if need <= have:
         return None
-    return f"does not fit in memory: needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB available"
+    where = (f" beside the {beside} member(s) of its group set up before it (interleave=none measures it alone)"
+             if beside else "")
+    return f"does not fit in memory{where}: needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB available"
