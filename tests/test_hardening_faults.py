@@ -312,9 +312,13 @@ def test_a_calibration_within_a_small_budget_records_what_it_did():
 
 
 def test_a_point_that_does_not_fit_leaves_kernel_null(tmp_path):
+    """In a sweep (-m) the plan keeps such a point and the runner writes its skipped row, measuring nothing."""
+    from harness.run.execute import measure_planned
+    from harness.run.plan import plan
+
     results = seeded(tmp_path / "results")
-    result = cli("-m", *FAST, f"batch={2**30}", f"results_dir={results}")
-    assert result.returncode == 0, result.stderr
+    (job,) = plan(["-m", *FAST, f"batch={2**30}", f"results_dir={results}"], cuda_available=NO_CUDA).jobs
+    measure_planned(job.config, job)
     (row,) = pq.read_table(results).to_pylist()
     assert row["status"] == "skipped" and "does not fit" in row["reason"] and row["kernel"] is None
 
