@@ -44,18 +44,16 @@ def test_the_search_finds_the_largest_batch_in_about_log2_probes(tmp_path, fits_
     peaks fit the limit up to `fits_up_to` sequences and exceed it beyond."""
     from harness.run import capacity_search
     from harness.run.plan import plan
-    from tests.hardening_helpers import plant_row
+    from harness.run.row import build_row
+    from harness.store.files import write_row
 
     planned = plan([*SEARCH, f"results_dir={seeded(tmp_path)}"], cuda_available=lambda: False).jobs[0]
     asked = []
 
     def planted_measure(cfg, probe):
         asked.append(probe.point.batch)
-        path = plant_row(tmp_path, probe.point)
-        frame = pd.read_parquet(path)
-        frame["peak_memory_bytes"] = LIMIT // 2 if probe.point.batch <= fits_up_to else LIMIT + 1
-        path.unlink()
-        frame.to_parquet(path)
+        peak = LIMIT // 2 if probe.point.batch <= fits_up_to else LIMIT + 1
+        write_row(tmp_path, build_row(probe.point, {"status": "ok", "reason": "planted", "peak_memory_bytes": peak}))
 
     probed, largest = capacity_search.search(planned.config, planned, planted_measure)
     assert largest == (fits_up_to or None)
