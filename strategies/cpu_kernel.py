@@ -1,13 +1,13 @@
 """The contiguous decode-attention kernel (`cpu_decode_attention.c`), the read `contiguous`, `dynamic`
 and `static_full` use on a CPU in fp32: the operator `torch.ops.harness_kernels.decode_attention` of
-the kernels' extension (harness.kernels.build), built on first use for this CPU; where it cannot be
+the kernels' extension (harness.kernels.extension), built on first use for this CPU; where it cannot be
 built, `unavailable` says why.
 """
 from __future__ import annotations
 
 import torch
 
-from harness.kernels.build import Kernel, ops
+from harness.kernels.extension import Kernel, ops
 
 CONTIGUOUS_KERNEL = Kernel("cpu_decode_attention.c")
 KERNEL_NAME = CONTIGUOUS_KERNEL.name

@@ -51,7 +51,7 @@ import math
 import torch
 
 from harness.config import CacheLayout
-from harness.kernels.build import Kernel, ops
+from harness.kernels.extension import Kernel, ops
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention

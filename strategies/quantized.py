@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from harness.config import CacheLayout, ModelConfig
-from harness.kernels.build import EXTENSION, Kernel, ops
+from harness.kernels.extension import EXTENSION, Kernel, ops
 from harness.model.random_fill import uniform_like_normal_
 from strategies import quantization
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL

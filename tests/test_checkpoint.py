@@ -15,7 +15,7 @@ import torch
 
 from harness.model import build_model
 from harness.model.checkpoint import read_checkpoint
-from harness.run.resolve import resolve_matmul
+from harness.run.resolve import checked_matmul
 from tests.conftest import STRATEGIES, generate
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def saved(request, tmp_path_factory):
 
 def ours(folder: Path, matmul: str = "auto"):
     shape = read_checkpoint(folder).shape
-    kernel = resolve_matmul(matmul, "cpu", "float32", batch=2, bias=shape.attention_bias)
+    kernel = checked_matmul(matmul, "cpu", "float32", batch=2, bias=shape.attention_bias)
     return build_model(shape, CPU, torch.float32, seed=0, matmul=kernel, batch_hint=2)
 
 

@@ -153,7 +153,7 @@ def test_a_checkpoint_changed_after_planning_fails_its_point(copy):
     """The plan hashed the folder; the point's process finds another hash and refuses to measure."""
     import torch
 
-    from harness.measure.point import start_decode
+    from harness.measure.decoding import start_decode
     from harness.model.checkpoint import CheckpointError
 
     point = plan(["device=cpu", "model=tiny", f"model.checkpoint={copy}", "ctx=8", "decode_tokens=2"],

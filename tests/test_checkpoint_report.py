@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from harness.report.formats import RANDOM_WEIGHTS_WARNING, perplexity_text, weights_note
+from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, perplexity_text, weights_note
 
 QUANTIZED = {"status": "ok", "decode_step_s": 1e-3, "caches_kv": True, "cache_value_bits": 8}
 

@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 
 from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, noise_reasons, others_fraction
-from harness.run import calibration
-from harness.run.summary import closing_line
+from harness.run import calibrate
+from harness.run.closing import closing_line
 from harness.store.calibration import parse, save
 from tests.conftest import SHARED_SWEEP_POINTS
 from tests.hardening_helpers import FAST, cli, fake_calibration, seeded
@@ -75,11 +75,11 @@ def test_a_point_timed_beside_busy_processes_is_noisy(tmp_path):
 
 
 def _calibrations(*contentions):
-    """A fake `run` for calibration.ensure: one record per call, with these contentions in turn."""
+    """A fake `run` for calibrate.ensure: one record per call, with these contentions in turn."""
     calls = []
 
     def run(fn, request):
-        assert fn is calibration.measure_within
+        assert fn is calibrate.measure_within
         calls.append(request)
         return dataclasses.replace(fake_calibration(timestamp="2999-01-01T00:00:00+00:00"),
                                    contention=contentions[len(calls) - 1])
@@ -87,23 +87,23 @@ def _calibrations(*contentions):
 
 
 def test_a_contended_calibration_is_tried_again_and_the_quiet_one_kept(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(calibration, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(calibrate, "RETRY_PAUSE_S", 0.0)
     run, calls = _calibrations(0.45, 0.02)
     with caplog.at_level(logging.INFO, logger="harness"):
-        record, measured = calibration.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
+        record, measured = calibrate.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
     assert measured and len(calls) == 2 and record.contention == 0.02
     assert "took 45% of the CPUs" in caplog.text and "trying again (2 of 3)" in caplog.text
-    assert calibration.load(tmp_path, "cpu", "float32").contention == 0.02
+    assert calibrate.load(tmp_path, "cpu", "float32").contention == 0.02
 
 
 def test_a_calibration_contended_every_time_is_stored_with_a_warning(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(calibration, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(calibrate, "RETRY_PAUSE_S", 0.0)
     run, calls = _calibrations(0.5, 0.3, 0.4)
     with caplog.at_level(logging.INFO, logger="harness"):
-        record, _ = calibration.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
-    assert len(calls) == calibration.ATTEMPTS and record.contention == 0.3  # the least contended
+        record, _ = calibrate.ensure(tmp_path, "cpu", "float32", False, run, budget_s=30)
+    assert len(calls) == calibrate.ATTEMPTS and record.contention == 0.3  # the least contended
     assert "stored contended" in caplog.text and "calibrate=true" in caplog.text
-    assert calibration.load(tmp_path, "cpu", "float32").contention == 0.3
+    assert calibrate.load(tmp_path, "cpu", "float32").contention == 0.3
 
 
 def test_a_record_from_before_contention_was_kept_still_reads(tmp_path):

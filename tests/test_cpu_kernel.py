@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.kernels import build
+from harness.kernels import extension
 from strategies import StrategyUnavailable, cpu_kernel
 from tests.conftest import STRATEGIES
 from strategies.contiguous import C_KERNEL
@@ -78,7 +78,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
 
 def test_one_openmp_runtime_serves_torch_and_the_kernel():
     assert cpu_kernel.unavailable(CPU, torch.float32) is None
-    assert len(build._openmp_runtimes()) == 1
+    assert len(extension._openmp_runtimes()) == 1
 
 
 def test_large_scores_do_not_overflow():
@@ -95,37 +95,37 @@ def test_large_scores_do_not_overflow():
 def test_a_built_extension_is_reused():
     """A second process loads the cached build: nothing is compiled, nothing is added to the cache."""
     assert cpu_kernel.unavailable(CPU, torch.float32) is None
-    folder = build.cache_dir() / f"{build.NAMESPACE}-{build.build_key(build.compiler())}"
-    library = folder / f"{build.NAMESPACE}.so"
-    built_at, entries = library.stat().st_mtime_ns, sorted(build.cache_dir().iterdir())
-    code = "import torch; from harness.kernels import build; assert build.EXTENSION.unavailable() is None"
+    folder = extension.cache_dir() / f"{extension.NAMESPACE}-{extension.build_key(extension.compiler())}"
+    library = folder / f"{extension.NAMESPACE}.so"
+    built_at, entries = library.stat().st_mtime_ns, sorted(extension.cache_dir().iterdir())
+    code = "import torch; from harness.kernels import extension; assert extension.EXTENSION.unavailable() is None"
     subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
-    assert library.stat().st_mtime_ns == built_at and sorted(build.cache_dir().iterdir()) == entries
+    assert library.stat().st_mtime_ns == built_at and sorted(extension.cache_dir().iterdir()) == entries
 
 
 def test_every_source_file_is_part_of_the_build_key(tmp_path):
     """A header edited (vector.h, included through cpu_attention_fixed.h) keys another build instead of
     loading a binary of the old code; so does another compiler."""
     copy = tmp_path / "csrc"
-    shutil.copytree(build.SOURCE_DIR, copy)
-    key = build.build_key("c++", copy)
-    assert key == build.build_key("c++", build.SOURCE_DIR)
+    shutil.copytree(extension.SOURCE_DIR, copy)
+    key = extension.build_key("c++", copy)
+    assert key == extension.build_key("c++", extension.SOURCE_DIR)
     (copy / "vector.h").write_text((copy / "vector.h").read_text() + "\n")
-    assert build.build_key("c++", copy) != key
-    assert build.build_key("g++", build.SOURCE_DIR) != key
+    assert extension.build_key("c++", copy) != key
+    assert extension.build_key("g++", extension.SOURCE_DIR) != key
 
 
 def test_a_failed_build_names_the_compiler_and_leaves_nothing(monkeypatch, tmp_path):
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(extension.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="false could not build the kernels"):
-        build.build_and_load("false")
+        extension.build_and_load("false")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_constants_come_from_the_extension():
     assert cpu_kernel.unavailable(CPU, torch.float32) is None
-    constants = build.EXTENSION.constants
+    constants = extension.EXTENSION.constants
     assert constants["MAX_GROUP"] == 32 and constants["MAX_DIM"] == 512
     assert sorted(constants[f"FORMAT_{name}"] for name in ("INT8", "INT4", "FP8_E4M3")) == [0, 1, 2]
 
@@ -136,7 +136,7 @@ def test_the_operators_schemas_and_fake_implementations():
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, 4, 64, generator=generator)  # [B, n_kv, G, D]
     k, v = (torch.randn(2, 2, 40, 64, generator=generator) for _ in range(2))  # [B, n_kv, S, D]
-    kernels = build.ops()
+    kernels = extension.ops()
     torch.library.opcheck(kernels.decode_attention.default, (q, k, v, 30, 20))
     torch.library.opcheck(kernels.gemv.default, (torch.randn(3, 64, generator=generator), torch.randn(40, 64)))
     torch.library.opcheck(kernels.rms_norm.default, (torch.randn(3, 64, generator=generator), torch.ones(64), 1e-5))
@@ -156,7 +156,7 @@ def test_the_block_operators_schemas_say_what_they_write():
 
     x = torch.randn(2, 1, d_model, generator=generator)  # [B, T, d_model]
     tables = [torch.randn(16, dim, generator=generator) for _ in range(2)]  # cos, sin [max_len, D]
-    kernels = build.ops()
+    kernels = extension.ops()
     torch.library.opcheck(kernels.attention_input.default,
                           (x, torch.ones(d_model), 1e-5, weight((heads + 2 * kv_heads) * dim, d_model), *tables, 3,
                            heads, kv_heads))
@@ -167,10 +167,10 @@ def test_the_block_operators_schemas_say_what_they_write():
 
 def test_the_quantized_operators_schemas_say_what_they_write():
     generator = torch.Generator().manual_seed(2)
-    int8 = build.EXTENSION.constants["FORMAT_INT8"]
+    int8 = extension.EXTENSION.constants["FORMAT_INT8"]
     rows = torch.randn(1, 2, 3, 32, generator=generator)  # [B, n_kv, n, D]
     payload, scales = torch.zeros(1, 2, 8, 32, dtype=torch.int8), torch.zeros(1, 2, 8, 1)  # [B, n_kv, S, W], [.., D/span]
-    kernels = build.ops()
+    kernels = extension.ops()
     torch.library.opcheck(kernels.quantize_rows_.default, (rows, payload, scales, int8, 32, 2))
     kernels.quantize_rows_(rows, payload, scales, int8, 32, 0)
     window = torch.randn(1, 2, 4, 32, generator=generator)  # [B, n_kv, R, D]
@@ -213,6 +213,6 @@ def test_a_points_key_names_the_kernel_auto_chose(monkeypatch, tmp_path):
     with_kernel = point()
     assert with_kernel.strategy.backend == "c"
     assert point("dtype=bfloat16").strategy.backend == "sdpa"
-    monkeypatch.setitem(build.EXTENSION.__dict__, "_loaded", "no C++ compiler (false) on PATH")
+    monkeypatch.setitem(extension.EXTENSION.__dict__, "_loaded", "no C++ compiler (false) on PATH")
     without = point()
     assert without.strategy.backend == "sdpa" and without.key != with_kernel.key

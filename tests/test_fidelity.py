@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from harness.measure.group import measure_point
-from harness.store import calibration as calibrate
+from harness.store import calibration as records
 from tests.conftest import TINY, copy_sweep, planned_point, run_cli
 
 
 def test_calibration_is_stored_with_its_timestamp(tiny_sweep):
-    record = json.loads(calibrate.record_path(tiny_sweep.results, "cpu", "float32").read_text())  # a fresh folder calibrated
+    record = json.loads(records.record_path(tiny_sweep.results, "cpu", "float32").read_text())  # a fresh folder calibrated
     assert record["read_bandwidth_Bps"] > 1e9 and record["matmul_flops"] > 1e9
     assert record["timestamp"] and "calibrated cpu/float32" in tiny_sweep.log
 
@@ -22,7 +22,7 @@ def test_calibration_is_stored_with_its_timestamp(tiny_sweep):
 @pytest.mark.slow  # two more runs through the CLI, one calibrating again
 def test_calibration_is_reused_until_forced(tiny_sweep, tmp_path):
     results = copy_sweep(tiny_sweep, tmp_path / "results")
-    path = calibrate.record_path(results, "cpu", "float32")
+    path = records.record_path(results, "cpu", "float32")
     before = path.read_text()
     again = run_cli("device=cpu", "model=tiny", "ctx=32", "decode_tokens=4", f"results_dir={results}")
     assert again.returncode == 0 and "calibrated" not in again.stderr + again.stdout
@@ -49,15 +49,15 @@ def test_fractions_are_computed_from_the_rows_own_columns(tiny_sweep):
 
 
 def test_a_stored_record_is_reused_unless_forced(tmp_path):
-    """The fast tier's form of the test above: calibration.ensure with a stand-in for the kernels."""
+    """The fast tier's form of the test above: calibrate.ensure with a stand-in for the kernels."""
     import dataclasses
     import socket
 
-    from harness.run import calibration
+    from harness.run import calibrate
 
-    stored = calibrate.Calibration("cpu", "x", socket.gethostname(), "float32", 1.0, 1.0, 1.0, None, 1.0,
+    stored = records.Calibration("cpu", "x", socket.gethostname(), "float32", 1.0, 1.0, 1.0, None, 1.0,
                                    "2024-01-01T00:00:00+00:00", "m")
-    calibrate.save(tmp_path, stored)
+    records.save(tmp_path, stored)
     fresh = dataclasses.replace(stored, read_bandwidth_Bps=2.0, timestamp="2999-01-01T00:00:00+00:00")
     calls = []
 
@@ -65,28 +65,28 @@ def test_a_stored_record_is_reused_unless_forced(tmp_path):
         calls.append(request)
         return fresh
 
-    assert calibration.ensure(tmp_path, "cpu", "float32", False, run) == (stored, False) and not calls
-    assert calibration.ensure(tmp_path, "cpu", "float32", True, run, budget_s=1) == (fresh, True) and len(calls) == 1
-    assert calibrate.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
+    assert calibrate.ensure(tmp_path, "cpu", "float32", False, run) == (stored, False) and not calls
+    assert calibrate.ensure(tmp_path, "cpu", "float32", True, run, budget_s=1) == (fresh, True) and len(calls) == 1
+    assert records.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
 
 
 def test_a_record_from_another_host_is_not_reused(tmp_path):
-    record = calibrate.Calibration("cpu", "x", "another-host", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
-    calibrate.save(tmp_path, record)
-    assert calibrate.load(tmp_path, "cpu", "float32") is None
+    record = records.Calibration("cpu", "x", "another-host", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
+    records.save(tmp_path, record)
+    assert records.load(tmp_path, "cpu", "float32") is None
 
 
 def test_hosts_sharing_a_results_folder_keep_their_own_records(tmp_path):
     import dataclasses
     import socket
 
-    other = calibrate.Calibration("cpu", "x", "node/7", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
+    other = records.Calibration("cpu", "x", "node/7", "float32", 1.0, 1.0, 1.0, None, 1.0, "t", "m")
     mine = dataclasses.replace(other, hostname=socket.gethostname(), read_bandwidth_Bps=2.0)
-    calibrate.save(tmp_path, other)
-    calibrate.save(tmp_path, mine)  # does not overwrite the other host's record
-    assert calibrate.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
+    records.save(tmp_path, other)
+    records.save(tmp_path, mine)  # does not overwrite the other host's record
+    assert records.load(tmp_path, "cpu", "float32").read_bandwidth_Bps == 2.0
     names = sorted(p.name for p in (tmp_path / "_calibration").glob("*.json"))
-    assert names == sorted(["node-7__cpu__float32.json", f"{calibrate.host_slug()}__cpu__float32.json"])
+    assert names == sorted(["node-7__cpu__float32.json", f"{records.host_slug()}__cpu__float32.json"])
 
 
 def point(prefill: str):

@@ -11,7 +11,7 @@ import pytest
 from harness.measure.group import GroupRequest, measure_group, rotation
 from harness.measure.intervals import median_interval, paired_ratio
 from harness.report.verdicts import compare, verdict
-from harness.run.groups import form_groups
+from harness.run.grouping import form_groups
 from harness.run.plan import plan
 from tests.conftest import QUICK_CALIBRATION, planned_point, run_cli
 
@@ -111,7 +111,7 @@ def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
 def test_a_launchers_jobs_find_the_groups_they_lead_and_nothing_else(tmp_path):
     """Jobs of a launcher run in processes of their own: the plan leaves each job a file of the groups it
     measures (led by the group's first member), an empty one for the jobs whose points another job times."""
-    from harness.run.groups import find_work, leaders, leave_work
+    from harness.run.grouping import find_work, leaders, leave_work
 
     jobs = _jobs("strategy=no_cache,contiguous,paged", "batch=1,2")
     groups = form_groups(jobs, "shape", 1, seed=0)

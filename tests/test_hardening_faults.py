@@ -238,12 +238,12 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
 
 
 def test_two_processes_never_calibrate_one_device_at_once(tmp_path, caplog):
-    from harness.run import calibration
+    from harness.run import calibrate
 
     running, calls, results = [], [], {}
 
     def slow_measure(fn, arg):
-        assert fn is calibration.measure_within and arg[:2] == ("cpu", "float32")
+        assert fn is calibrate.measure_within and arg[:2] == ("cpu", "float32")
         running.append(1)
         assert len(running) == 1, "two calibrations at once"
         calls.append(arg)
@@ -252,7 +252,7 @@ def test_two_processes_never_calibrate_one_device_at_once(tmp_path, caplog):
         return fake_calibration(timestamp="2999-01-01T00:00:00+00:00")
 
     def worker(name):
-        results[name] = calibration.ensure(tmp_path, "cpu", "float32", False, slow_measure, budget_s=30)
+        results[name] = calibrate.ensure(tmp_path, "cpu", "float32", False, slow_measure, budget_s=30)
 
     with caplog.at_level(logging.INFO, logger="harness"):
         threads = [threading.Thread(target=worker, args=(n,)) for n in ("first", "second")]
@@ -269,17 +269,17 @@ def test_two_processes_never_calibrate_one_device_at_once(tmp_path, caplog):
 
 
 def test_a_calibration_that_cannot_be_saved_leaves_no_temporary(tmp_path, monkeypatch):
-    from harness.run import calibration
+    from harness.run import calibrate
 
     def full_save(results_dir, record):
-        path = calibration.record_path(results_dir, record.device, record.dtype)
+        path = calibrate.record_path(results_dir, record.device, record.dtype)
         path.with_name(f".{path.name}.tmp-{os.getpid()}").write_text("{half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(calibration, "save", full_save)
+    monkeypatch.setattr(calibrate, "save", full_save)
     with pytest.raises(OSError):
-        calibration.ensure(tmp_path, "cpu", "float32", False, lambda fn, arg: fake_calibration())
-    assert [p.name for p in (tmp_path / "_calibration").iterdir()] == [calibration.lock_path(tmp_path, "cpu", "float32").name]
+        calibrate.ensure(tmp_path, "cpu", "float32", False, lambda fn, arg: fake_calibration())
+    assert [p.name for p in (tmp_path / "_calibration").iterdir()] == [calibrate.lock_path(tmp_path, "cpu", "float32").name]
 
 
 class FixedTimer:
@@ -301,7 +301,7 @@ def test_the_calibration_gemm_shrinks_to_its_budget():
 
 
 def test_a_calibration_within_a_small_budget_records_what_it_did():
-    from harness.run.calibration import measure_within
+    from harness.run.calibrate import measure_within
 
     began = time.monotonic()
     record = measure_within(("cpu", "float32", 0.2))

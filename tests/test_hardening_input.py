@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.config.validate import INT64_MAX, ConfigError
-from harness.measure.point import not_run
+from harness.measure.decoding import not_run
 from harness.run.plan import plan
 from harness.run.row import build_row
 from harness.store.files import write_row

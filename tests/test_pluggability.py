@@ -35,7 +35,7 @@ def test_the_plugin_runs_beside_the_shipped_strategies_and_is_exact(tiny_sweep):
 
 
 def test_the_plugin_appears_in_every_table_and_in_every_plot_that_names_strategies(trusted, tmp_path, monkeypatch):
-    from harness.report import build, plots
+    from harness.report import assemble, plots
 
     legends = {}
     real_save = plots._save
@@ -47,7 +47,7 @@ def test_the_plugin_appears_in_every_table_and_in_every_plot_that_names_strategi
         return real_save(fig, folder, name)
 
     monkeypatch.setattr(plots, "_save", recording_save)
-    files = build.build_report(trusted, out_dir=tmp_path / "report")
+    files = assemble.build_report(trusted, out_dir=tmp_path / "report")
     naming = {name: text for name, text in legends.items() if "contiguous" in text}
     assert len(naming) >= 3, legends  # step time, cache over no cache, cache bytes, prefill vs decode
     for name, text in naming.items():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.measure.point import accuracy, start_decode
+from harness.measure.decoding import accuracy, start_decode
 from harness.measure.prompts import PromptError, read_tokens, windows
 from harness.model import build_model
 from tests.conftest import planned_point

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from harness.store.schema import columns_markdown
+from harness.store.columns import columns_markdown
 from tests.conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -12,7 +12,7 @@ DOCS = sorted((REPO_ROOT / "docs").rglob("*.md"))
 
 def test_columns_md_is_generated_from_the_schema():
     assert (REPO_ROOT / "docs" / "columns.md").read_text() == columns_markdown(), \
-        "docs/columns.md is stale: python -m harness.store.schema > docs/columns.md"
+        "docs/columns.md is stale: python -m harness.store.columns > docs/columns.md"
 
 
 def test_readme_opens_with_the_two_commands():

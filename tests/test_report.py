@@ -11,7 +11,7 @@ import pytest
 from harness.store.calibration import host_slug
 
 from harness.report.__main__ import main as report_main
-from harness.report.build import build_report
+from harness.report.assemble import build_report
 from harness.analysis.results import load
 from tests.report_fixtures import SLOWDOWN, write_results
 
@@ -178,14 +178,14 @@ def test_fewer_bytes_sets_each_narrow_cache_point_beside_the_plain_cache(tmp_pat
     bytes per token against the plain cache's, the speedup measured and predicted, how far its outputs
     moved, the random-weights warning, and the speedup-against-accuracy plot."""
     from harness.analysis import analytic
-    from harness.report import format as fmt
+    from harness.report import units as fmt
     from harness.report.document import to_markdown
-    from harness.report.formats import RANDOM_WEIGHTS_WARNING, format_section
-    from harness.report.groups import groups_of
+    from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, format_section
+    from harness.report.cohorts import cohorts_of
     from tests.report_fixtures import DTYPE, INT8, INT8_ACCURACY, SHAPE
 
     folder = write_results(tmp_path / "results", awkward=False, batches=(1, 4), contexts=(64, 256), quantized=True)
-    (group,) = groups_of(load(folder))
+    (group,) = cohorts_of(load(folder))
     (tmp_path / "report").mkdir()
     text = to_markdown(format_section([group], tmp_path / "report"))
     lines = [line for line in text.splitlines() if line.startswith("| quantized |")]

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from harness.report.build import build_report
+from harness.report.assemble import build_report
 from tests.report_fixtures import write_results
 
 pytestmark = pytest.mark.slow  # a headless Chromium: the slow tier (pytest -m slow)

@@ -11,7 +11,7 @@ import pytest
 from harness.analysis.results import load
 from harness.report import compare
 from harness.report.__main__ import main as report_main
-from harness.report.build import build_report
+from harness.report.assemble import build_report
 from harness.store.files import write_row
 from tests.conftest import copy_sweep
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from harness.store.schema import COLUMN_NAMES, SCHEMA
+from harness.store.columns import COLUMN_NAMES, SCHEMA
 from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, SHARED_SWEEP, SHARED_SWEEP_POINTS, copy_sweep, run_cli
 from tests.hardening_helpers import seeded
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness.config.validate import ConfigError
 from harness.measure.group import measure_point
-from harness.measure.point import not_run
+from harness.measure.decoding import not_run
 from harness.run.catalog import strategy_targets
 from harness.run.isolation import run_inline
 from harness.run.plan import plan

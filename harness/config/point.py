@@ -113,7 +113,7 @@ class Point:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def group_key(self) -> str:
-        """What a point shares with the points it is timed with (harness.run.groups): everything but the
+        """What a point shares with the points it is timed with (harness.run.grouping): everything but the
         strategy, the linear kernel, the compile mode and the accuracy reference that follows the strategy;
         and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
         memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds

@@ -25,7 +25,7 @@ MATMUL_KERNELS = ("auto", "aten", "onednn", "c")
 COMPILE_MODES = ("none", "inductor")  # harness.measure.compiled
 SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
-INTERLEAVE_MODES = ("shape", "none")  # harness.run.groups
+INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")

@@ -33,7 +33,7 @@ from harness.measure.device import device_name
 from harness.measure.intervals import METHOD as INTERVAL_METHOD, median_interval, paired_ratio
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
-from harness.measure.point import accuracy, tokens_digest
+from harness.measure.decoding import accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.timing import StepTimer
 from harness.model import build_model

@@ -2,7 +2,7 @@
 
 Set-up runs one member at a time, before any round: the strategy's kernel is resolved (a strategy
 that cannot run here makes a skipped outcome), its session is made and brought to the first decode
-position (the prompt timed, harness.measure.point.start_decode), compiled or captured in CUDA graphs
+position (the prompt timed, harness.measure.decoding.start_decode), compiled or captured in CUDA graphs
 where the point asks, and warmed up at that position. Its own peak memory is read over exactly this
 set-up (harness.measure.memory.PeakTracker started right before it): the session's tables, the
 prompt's transients and warm-up steps, above whatever the model and the members set up earlier hold.
@@ -19,7 +19,7 @@ from harness.config import Point
 from harness.measure.compiled import CompiledSteps
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
-from harness.measure.point import not_run, start_decode
+from harness.measure.decoding import not_run, start_decode
 from harness.measure.timing import StepStats, StepTimer, warm_up
 from strategies.base import StrategyUnavailable
 

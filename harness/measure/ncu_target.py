@@ -2,7 +2,7 @@
 
     python -m harness.measure.ncu_target '<json of point.identity()>'
 
-It repeats what harness.measure.point.measure_point does up to the timed loop (same model, seed, prompt and
+It repeats what harness.measure.decoding.measure_point does up to the timed loop (same model, seed, prompt and
 cache), so the profiled steps are the measured steps: same positions, same tokens. Everything before
 the steps (model build, prefill, one warm-up step) runs outside the range and is not profiled. It
 prints nothing: ncu's CSV shares its stdout.
@@ -17,7 +17,7 @@ import torch
 
 from harness.config import Point, point_from_identity
 from harness.measure.ncu import NVTX_RANGE
-from harness.measure.point import start_decode
+from harness.measure.decoding import start_decode
 from harness.measure.timing import StepTimer
 from harness.model import build_model
 

@@ -1,6 +1,6 @@
 """The C small-batch linear (`cpu_gemv.c`): the CPU fp32 matmul of `matmul=c`, what `auto` picks there;
 and a decode step's decoder blocks through the same kernel file, two calls a block. Each is an
-operator of the kernels' extension (harness.kernels.build), `torch.ops.harness_kernels.*`, which
+operator of the kernels' extension (harness.kernels.extension), `torch.ops.harness_kernels.*`, which
 eager code and compiled graphs call alike.
 
 A decode step's linears multiply a handful of rows (the batch) by whole weight matrices, so their
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.kernels.build import Kernel, ops
+from harness.kernels.extension import Kernel, ops
 from harness.model.decoder import Block, RMSNorm, RotaryTable
 from harness.model.swap import swap_modules
 

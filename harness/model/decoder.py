@@ -1,6 +1,6 @@
 """A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Its weights are seeded random ones or a checkpoint's (harness.model.build). Llama 2/3/3.1, Mistral and
+Its weights are seeded random ones or a checkpoint's (harness.model.factory). Llama 2/3/3.1, Mistral and
 Qwen2 are this decoder with three options of the shape: a bias on the q/k/v projection (Qwen2), the
 output head tied to the embedding table, and Llama 3.1's RoPE frequency scaling (`rope_scaling`).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.report.build import ReportError, build_report
+from harness.report.assemble import ReportError, build_report
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE
 
 KEYS = {"results_dir": "results", "hardware": DEFAULT_FALLBACK_HARDWARE, "out": None, "baseline": None}

@@ -20,10 +20,10 @@ import pandas as pd
 
 from harness.analysis.results import SERIES
 from harness.config.validate import ConfigError, input_folder
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report import plots
 from harness.report.document import Block, Bullets, Figure, Heading, Paragraph, Table
-from harness.report.groups import newest_per_point
+from harness.report.cohorts import newest_per_point
 from harness.report.tables import ROW_ORDER
 
 # What makes two rows the same point. decode_tokens is in it because a row's step is the mean over

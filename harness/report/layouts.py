@@ -11,17 +11,17 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis import analytic
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report import plots
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows, SERIES
+from harness.report.cohorts import Cohort, cached_rows, SERIES
 from harness.report.verdicts import pooled_step, step_text, verdict
 
 HEADER = ["batch", "ctx", "rank", "strategy", "step measured ±95%", "× fastest [95%]", "step roofline", "bytes/step (model)",
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
 
 
-def ranking_rows(group: Group) -> list[list[str]]:
+def ranking_rows(group: Cohort) -> list[list[str]]:
     """One line per cache at every (batch, ctx) of the group where two or more caches ran, ranked by
     pooled median step; each against the fastest with the paired interval (a tie where it holds 1)."""
     body = []
@@ -47,7 +47,7 @@ def ranking_rows(group: Group) -> list[list[str]]:
     return body
 
 
-def layout_section(groups: list[Group], folder: Path) -> list[Block]:
+def layout_section(groups: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("Which layout wins where"), Paragraph(
         "Per point, the caches ranked by measured step time (pooled over repeats), each against the fastest "
         "with the 95% interval of the ratio over rounds timed together; a ratio whose interval holds 1 is a tie. "

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.results import SERIES
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report.document import Block, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows, newest_per_point
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point
 
 GEMV_TOLERANCE = 0.05  # a matrix-vector read within this of the roof counts as having set it
 EAGER, COMPILED = "none", "inductor"  # the values of the `compile` column (harness.config.validate)
@@ -68,7 +68,7 @@ def _gemv_sentence(found: pd.DataFrame) -> str:
             f"rate would already leave {1 - gemv / roof:.0%} of its time unexplained.")
 
 
-def _unexplained_section(groups: list[Group]) -> list[Block]:
+def _unexplained_section(groups: list[Cohort]) -> list[Block]:
     out: list[Block] = [Heading("What the roofline does not explain"), Paragraph(
         "Per cached point: the measured step, the roofline time (max of FLOPs ÷ peak and bytes ÷ bandwidth) "
         "and the share of the step the roofline does not account for, 1 − roofline ÷ measured, with that "
@@ -101,7 +101,7 @@ def _newest(rows: pd.DataFrame) -> pd.DataFrame:
     return newest_per_point(rows, POINT).set_index(POINT)
 
 
-def pairs(group: Group) -> pd.DataFrame:
+def pairs(group: Cohort) -> pd.DataFrame:
     """The group's points measured both eager and compiled: eager_s, compiled_s, speedup, compile_s,
     recompiles per point. A mode measured without its partner is left out."""
     rows = group.ok.dropna(subset=["decode_step_s"])
@@ -118,7 +118,7 @@ def pairs(group: Group) -> pd.DataFrame:
     return found.assign(speedup=found["eager_s"] / found["compiled_s"]).sort_index()
 
 
-def _compiled_section(groups: list[Group]) -> list[Block]:
+def _compiled_section(groups: list[Cohort]) -> list[Block]:
     out: list[Block] = [Heading("Eager against compiled"), Paragraph(
         "Points measured with both `compile=none` and `compile=inductor` (same series, batch, ctx and decode "
         "steps): the eager and the compiled step, the speedup (eager ÷ compiled), the seconds spent compiling "
@@ -146,6 +146,6 @@ def _compiled_section(groups: list[Group]) -> list[Block]:
     return out
 
 
-def overhead_section(groups: list[Group], folder: Path) -> list[Block]:
+def overhead_section(groups: list[Cohort], folder: Path) -> list[Block]:
     """Both sections; `folder` (where plots go) is taken like the other sections' though none is drawn."""
     return _unexplained_section(groups) + _compiled_section(groups)

@@ -1,6 +1,6 @@
 """The report's plots, one function each: measured points against analytic lines, saved as PNGs.
 
-Every function takes one Group (one model, device, dtype) and the folder to write to, and returns the
+Every function takes one Cohort (one model, device, dtype) and the folder to write to, and returns the
 path of the PNG, or None when the rows at hand cannot show what the plot is about (the report then
 says so instead of drawing an empty frame). One exception: comparison_ratios draws the points two runs
 share (harness.report.compare), which span groups.
@@ -18,7 +18,7 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 from harness.analysis import analytic  # noqa: E402
-from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows, SERIES  # noqa: E402
+from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES  # noqa: E402
 
 REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
 STRATEGY_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
@@ -27,7 +27,7 @@ BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2
 DPI = 110
 
 
-def _colour(group: Group, strategy: str) -> str:
+def _colour(group: Cohort, strategy: str) -> str:
     """One colour per strategy within a group, the same in every plot of it."""
     if strategy in set(reference_rows(group.rows)[SERIES]):
         return REFERENCE_COLOUR
@@ -86,12 +86,12 @@ def _context_grid(ctxs) -> np.ndarray:
     return np.unique(np.geomspace(low, high, 40).astype(int))
 
 
-def _mean_step(group: Group, batch: int, ctx: int, layout) -> analytic.MeanStep:
+def _mean_step(group: Cohort, batch: int, ctx: int, layout) -> analytic.MeanStep:
     """The analytic step averaged over the group's decode steps (as the rows' prediction)."""
     return analytic.mean_decode_step(group.shape, group.dtype, batch, ctx, group.decode_tokens, layout, group.roof)
 
 
-def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) -> Optional[Path]:
+def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False) -> Optional[Path]:
     """Decode step time against context, one panel per batch: points measured, lines the roofline.
     cached_only: the caches alone (the layouts compared), without the recompute reference."""
     ok = group.ok.dropna(subset=["decode_step_s"])
@@ -141,7 +141,7 @@ def step_time_vs_context(group: Group, folder: Path, cached_only: bool = False) 
     return _save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{group.slug}.png")
 
 
-def no_cache_over_cache(group: Group, folder: Path) -> Optional[Path]:
+def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
     """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context."""
     ok = group.ok.dropna(subset=["decode_step_s"])
     cached_name = group.plain_cache()
@@ -185,7 +185,7 @@ def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
     return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
 
 
-def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
+def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     """Cache bytes against batch x tokens, the weights as a line, the crossover marked."""
     per_token = analytic.kv_bytes_per_token(group.shape, group.dtype)
     weights = analytic.weight_bytes(group.shape, group.dtype)
@@ -216,7 +216,7 @@ def cache_bytes_vs_tokens(group: Group, folder: Path) -> Optional[Path]:
     return _save(fig, folder, f"cache_bytes_{group.slug}.png")
 
 
-def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
+def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
     """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
     ok = cached_rows(group.ok)
     ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
@@ -254,7 +254,7 @@ def prefill_vs_decode(group: Group, folder: Path) -> Optional[Path]:
     return _save(fig, folder, f"prefill_vs_decode_{group.slug}.png")
 
 
-def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]:
+def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path]:
     """Workloads with equal batch x ctx side by side: memory (left) and throughput (right)."""
     if not sets:
         return None
@@ -296,7 +296,7 @@ def equal_batch_tokens(group: Group, sets: list, folder: Path) -> Optional[Path]
     return _save(fig, folder, f"equal_batch_tokens_{group.slug}.png")
 
 
-def peak_memory_split(group: Group, folder: Path, split_of) -> Optional[Path]:
+def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     """Peak memory of every ok row, stacked: weights, cache, the rest (split_of: summary.memory_split)."""
     rows = [(r, split_of(r)) for _, r in group.ok.sort_values([SERIES, "batch", "ctx"]).iterrows()]
     rows = [(r, split) for r, split in rows if split is not None]

@@ -19,9 +19,9 @@ from harness.analysis.analytic import Roof
 from harness.config.paths import config_dir
 from harness.config import ModelConfig, model_config_from
 from harness.analysis.hardware import load_hardware
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
-from harness.report.groups import Group, cached_rows, ordered_strategies, reference_rows, SERIES
+from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
 from harness.report.plots import measured_ratio
 
 MODEL_DIR = config_dir() / "model"
@@ -84,7 +84,7 @@ def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
                   Bullets(lines or ["no point ran both the reference and a cached strategy"])]
 
 
-def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
+def bytes_per_token(ref: Reference, groups: list[Cohort]) -> list[Block]:
     s = ref.shape
     out = [Heading("Cache bytes per token, for any shape and dtype", 3), Paragraph(
         "`kv_bytes_per_token = 2 × n_layers × n_kv_heads × head_dim × bytes_per_element`: one key and one "
@@ -116,7 +116,7 @@ def bytes_per_token(ref: Reference, groups: list[Group]) -> list[Block]:
     return out
 
 
-def growth(ref: Reference, groups: list[Group]) -> list[Block]:
+def growth(ref: Reference, groups: list[Cohort]) -> list[Block]:
     s = ref.shape
     out = [Heading("How work grows with length: no cache against cache", 3), Paragraph(
         "Decode step i after a p-token prompt sits at context c = p + i. With a cache it runs one token: "
@@ -151,7 +151,7 @@ def growth(ref: Reference, groups: list[Group]) -> list[Block]:
     return out
 
 
-def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
+def wall_clock_gap(ref: Reference, groups: list[Cohort]) -> list[Block]:
     s, r, p = ref.shape, ref.roof, ref.ctx
     cached_b = analytic.decode_step_bytes(s, ref.dtype, 1, p)["total"]
     cached_f = analytic.decode_step_flops(s, 1, p)
@@ -192,7 +192,7 @@ def wall_clock_gap(ref: Reference, groups: list[Group]) -> list[Block]:
         f"FLOPs against {np.median(measured_ratios):,.3g}x time).")]
 
 
-def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
+def prefill_decode(ref: Reference, groups: list[Cohort]) -> list[Block]:
     s, p = ref.shape, ref.ctx
     pre = analytic.prefill_bytes_per_token(s, ref.dtype, 1, p)
     dec = analytic.decode_bytes_per_token(s, ref.dtype, 1, p)
@@ -224,7 +224,7 @@ def prefill_decode(ref: Reference, groups: list[Group]) -> list[Block]:
         "memory bound, and where batching shares decode's weight reads among sequences.")]
 
 
-def weights_crossover(ref: Reference, groups: list[Group]) -> list[Block]:
+def weights_crossover(ref: Reference, groups: list[Cohort]) -> list[Block]:
     s = ref.shape
     n = analytic.tokens_to_match_weights(s, ref.dtype)
     out = [Heading("How many cached tokens weigh as much as the weights", 3), Paragraph(
@@ -245,7 +245,7 @@ def weights_crossover(ref: Reference, groups: list[Group]) -> list[Block]:
     return out + [Paragraph("**Measured:**"), Bullets(measured or ["no rows here"])]
 
 
-def equal_batch_tokens(ref: Reference, groups: list[Group], sets_by_group: dict) -> list[Block]:
+def equal_batch_tokens(ref: Reference, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
     s, p = ref.shape, 32768
     few = analytic.decode_step_bytes(s, ref.dtype, 1, p)
     many = analytic.decode_step_bytes(s, ref.dtype, 32, p // 32)
@@ -270,7 +270,7 @@ def equal_batch_tokens(ref: Reference, groups: list[Group], sets_by_group: dict)
                   Bullets(measured or ["no two rows of one cached strategy share batch × ctx here"])]
 
 
-def answers(table: pd.DataFrame, groups: list[Group], sets_by_group: dict) -> list[Block]:
+def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
     ref = reference()
     return [
         Heading("What a KV cache buys and costs: the questions, answered"),

@@ -13,9 +13,9 @@ import pandas as pd
 
 from harness.analysis import analytic
 from harness.analysis.results import SERIES
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report.document import Table
-from harness.report.groups import Group, cached_rows, reference_rows
+from harness.report.cohorts import Cohort, cached_rows, reference_rows
 from harness.report.verdicts import Verdict, compare, pooled_step, step_text, verdict
 
 HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
@@ -36,7 +36,7 @@ def memory_split(row) -> tuple[float, float, float, float] | None:
     return peak, weights, cache, max(peak - weights - cache, 0.0)
 
 
-def summary_rows(group: Group, verdicts: list[Verdict] | None = None) -> list[list[str]]:
+def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[list[str]]:
     """One line per (batch, ctx) of the group; each point's Verdict is appended to `verdicts` when given."""
     body = []
     ok = group.ok.dropna(subset=["decode_step_s"])
@@ -67,7 +67,7 @@ def summary_rows(group: Group, verdicts: list[Verdict] | None = None) -> list[li
     return body
 
 
-def summary_table(groups: list[Group], verdicts: list[Verdict] | None = None) -> Table:
+def summary_table(groups: list[Cohort], verdicts: list[Verdict] | None = None) -> Table:
     """The first screen's table; each point's Verdict is appended to `verdicts` when given."""
     body = [line for group in groups for line in summary_rows(group, verdicts)]
     return Table(HEADER, body, [False, False, False, False, True, True, False] + [True] * 10)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report.document import Table
-from harness.report.groups import cached_rows, plain_cache_strategy, SERIES
+from harness.report.cohorts import cached_rows, plain_cache_strategy, SERIES
 
 ROW_ORDER = ["model", "device", "dtype", SERIES, "batch", "ctx"]
 

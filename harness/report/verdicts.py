@@ -18,7 +18,7 @@ import pandas as pd
 
 from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval, median_interval, paired_ratio
-from harness.report import format as fmt
+from harness.report import units as fmt
 from harness.report.document import Paragraph
 
 GROUP = "group_id"

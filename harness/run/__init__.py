@@ -9,7 +9,7 @@ How one key travels, e.g. `batch=4`, from the command line to its column (five f
 2. harness/config/validate.py: `validate_workload` refuses a value that is not a positive int64.
 3. harness/run/resolve.py: `point_from_config` copies it into the frozen `Point` (harness/config/point.py),
    whose key hashes it.
-4. harness/measure/point.py: `measure_point` builds the session for `point.batch` sequences and times
+4. harness/measure/decoding.py: `measure_point` builds the session for `point.batch` sequences and times
    its steps.
-5. harness/run/row.py: `flatten(point)` makes it the `batch` column, typed by harness/store/schema.py.
+5. harness/run/row.py: `flatten(point)` makes it the `batch` column, typed by harness/store/columns.py.
 """

@@ -1,7 +1,7 @@
 """The Hydra app behind `python -m harness.run`: one point, or with -m / +sweep=<name>, a sweep.
 
 Pipeline: command line -> every point composed, checked and resolved once (harness.run.plan) -> the
-points grouped by shape (harness.run.groups: interleave=shape times a shape's strategies together) ->
+points grouped by shape (harness.run.grouping: interleave=shape times a shape's strategies together) ->
 each group's members kept if their row is finished (harness.store.files.finished_row), unless it
 failed (rerun_failed, true by default), another code state made it (rerun_other_code) or
 overwrite=true -> the group measured in its own process -> a row per member (the point's dataclasses
@@ -38,9 +38,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from harness.config import ConfigError, register_schemas  # noqa: E402
 from harness.run import capacity_search  # noqa: E402
 from harness.run.execute import PROGRESS, clock, measure_planned, measure_planned_group  # noqa: E402
-from harness.run.groups import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
+from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
-from harness.run.summary import closing_line  # noqa: E402
+from harness.run.closing import closing_line  # noqa: E402
 from harness.run.plan import CONFIG_DIR, CONFIG_NAME, PlannedPoint, needs_preflight, plan  # noqa: E402
 from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
@@ -145,7 +145,7 @@ def _search_max_batch(planned) -> list:
 def _assign_work(the_plan) -> None:
     """Tell the Hydra jobs which groups they measure: all of them to the first job, when the jobs run in
     this process; else each group to its first member's job, through files in results_dir that a
-    launcher's jobs read (harness.run.groups)."""
+    launcher's jobs read (harness.run.grouping)."""
     global PENDING
     if the_plan.in_process:
         PENDING = list(the_plan.groups)

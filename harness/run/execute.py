@@ -1,6 +1,6 @@
 """Measure planned groups and write their rows: the runner's work for each Hydra job.
 
-A group (harness.run.groups) is measured in one process of its own (harness.run.isolation, or this
+A group (harness.run.grouping) is measured in one process of its own (harness.run.isolation, or this
 process with isolate=false) by harness.measure.group; each member's row is assembled
 (harness.run.row) and written whole (harness.store.files) as soon as the group is done. A member whose
 row is finished is kept (unless a rerun rule applies: `rerun_reason`); when others of its group are
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from harness.measure.contention import ROOF_LIMIT
 from harness.measure.group import GroupRequest, could_be_reference, measure_group
-from harness.measure.point import not_run
-from harness.run import calibration
-from harness.run.groups import PlannedGroup
+from harness.measure.decoding import not_run
+from harness.run import calibrate
+from harness.run.grouping import PlannedGroup
 from harness.run.isolation import run_inline, run_isolated
 from harness.run.metadata import git_commit, same_code
 from harness.run.row import build_row
@@ -62,7 +62,7 @@ def roofs_for(cfg, point, run):
     key = (cfg.results_dir, point.device, point.dtype)
     if key not in CALIBRATIONS:
         try:
-            record, measured_now = calibration.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
+            record, measured_now = calibrate.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
                                                       budget_s=cfg.calibration_budget_s)
         except RuntimeError as error:
             log.warning(f"{error}; rows of {point.device}/{point.dtype} get no roofs")
@@ -70,10 +70,10 @@ def roofs_for(cfg, point, run):
         if measured_now:
             log.info(
                 f"calibrated {point.device}/{point.dtype}: read {record.read_bandwidth_Bps / 1e9:.1f} GB/s, "
-                f"matmul {record.matmul_flops / 1e12:.3f} TFLOP/s -> {calibration.record_path(*key)}"
+                f"matmul {record.matmul_flops / 1e12:.3f} TFLOP/s -> {calibrate.record_path(*key)}"
             )
-        elif record is not None and calibration.is_contended(record):
-            log.warning(f"the stored calibration {calibration.record_path(*key)} ({record.timestamp}) was measured "
+        elif record is not None and calibrate.is_contended(record):
+            log.warning(f"the stored calibration {calibrate.record_path(*key)} ({record.timestamp}) was measured "
                         f"while other processes took {record.contention:.0%} of the CPUs: its roofs are likely "
                         "low; calibrate=true measures them again")
         CALIBRATIONS[key] = record
@@ -92,7 +92,7 @@ def warn_if_beaten(cfg, point, row: dict) -> None:
     STORED_CALIBRATION[key] = False  # said once
     record = CALIBRATIONS[key]
     figures = ", ".join(f"{name} {value:.2f}" for name, value in beaten.items())
-    log.warning(f"{point.label()} beats the stored calibration {calibration.record_path(*key)} "
+    log.warning(f"{point.label()} beats the stored calibration {calibrate.record_path(*key)} "
                 f"({record.timestamp}): {figures} > {ROOF_LIMIT}, so its roofs are too low; "
                 "re-run with calibrate=true")
 

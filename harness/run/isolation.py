@@ -19,7 +19,7 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 # harness.run.app: a child re-imports the main module (harness.run), cheap only if what it imports is here.
 # Not torch._dynamo (over a second to import): only a compile=inductor point needs it, and its
 # compilation takes far longer than the import.
-_CONTEXT.set_forkserver_preload(["torch", "harness.measure.point", "harness.run.app"])
+_CONTEXT.set_forkserver_preload(["torch", "harness.measure.decoding", "harness.run.app"])
 
 
 class PointInterrupted(KeyboardInterrupt):

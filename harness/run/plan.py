@@ -39,11 +39,11 @@ from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
 from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
 from harness.measure.memory import shortfall
-from harness.measure.point import not_run
-from harness.run.groups import form_groups
+from harness.measure.decoding import not_run
+from harness.run.grouping import form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
-from harness.store.schema import SCHEMA
+from harness.store.columns import SCHEMA
 
 CONFIG_DIR = str(config_dir())
 CONFIG_NAME = "config"
@@ -100,7 +100,7 @@ class Plan:
 
     multirun: bool  # one process runs several points
     jobs: list[PlannedPoint]  # every point, in Hydra's order
-    groups: list = field(default_factory=list)  # harness.run.groups.PlannedGroup, in measuring order
+    groups: list = field(default_factory=list)  # harness.run.grouping.PlannedGroup, in measuring order
     in_process: bool = True  # the jobs run in this process (no launcher, or Hydra's basic one)
 
     @property

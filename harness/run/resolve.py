@@ -40,9 +40,9 @@ def resolve_traffic(traffic: str, device: str) -> str:
     return "ncu" if device == "cuda" and ncu_executable() else "model"
 
 
-def resolve_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool = False) -> str:
+def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool = False) -> str:
     from harness.model import cpu_gemv
-    from harness.model.build import BIAS_FREE_MATMULS
+    from harness.model.factory import BIAS_FREE_MATMULS
     from harness.model.cpu_linear import onednn_supports, resolve_matmul as resolved
 
     if bias and matmul in BIAS_FREE_MATMULS:
@@ -118,7 +118,7 @@ def point_from_config(cfg) -> Point:
         seed=cfg.seed,
         prefill=cfg.prefill,
         traffic=resolve_traffic(cfg.traffic, device),
-        matmul=resolve_matmul(cfg.matmul, device, dtype, cfg.batch, model.attention_bias),
+        matmul=checked_matmul(cfg.matmul, device, dtype, cfg.batch, model.attention_bias),
         threads=torch.get_num_threads(),
         compile=cfg.compile,
         memory_limit_bytes=int(cfg.memory_limit_bytes) if cfg.memory_limit_bytes is not None else None,

@@ -1,6 +1,6 @@
 """Assemble a row: the point's dataclasses flattened, what was measured, the analytic model at the
 point, the roofs it is judged against, and the run's metadata. Every key is a column of
-harness.store.schema, and every column is filled by exactly one of these parts."""
+harness.store.columns, and every column is filled by exactly one of these parts."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
 from harness.run.metadata import run_metadata
-from harness.store.schema import COLUMN_NAMES, COLUMNS_BY_SOURCE
+from harness.store.columns import COLUMN_NAMES, COLUMNS_BY_SOURCE
 
 
 def flatten(obj, prefix: str = "") -> dict:

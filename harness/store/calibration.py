@@ -3,7 +3,7 @@
 `<results_dir>/_calibration/<host>__<device>__<dtype>.json`, one per host (several hosts' rows and
 records share one results folder on a cluster, and each host is judged against its own roofs),
 written atomically like the rows, one record
-type for the writer (harness.run.calibration) and every reader (the analytic CLI's hardware=measured,
+type for the writer (harness.run.calibrate) and every reader (the analytic CLI's hardware=measured,
 harness.analysis.results). A row copies the roofs it was judged against, so a later recalibration
 never rewrites history.
 """

@@ -21,7 +21,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from harness.store.schema import SCHEMA
+from harness.store.columns import SCHEMA
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{16}")  # harness.config.point.Point.key
 KEY_IN_NAME = re.compile(r"__([0-9a-f]{16})\.parquet$")

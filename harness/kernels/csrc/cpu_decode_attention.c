@@ -1,6 +1,6 @@
 /* Decode attention over a contiguous fp32 KV cache on a CPU: one query position per sequence, GQA.
  *
- * A C++ translation unit of the kernels' extension (harness/kernels/build.py: -O3 -march=native
+ * A C++ translation unit of the kernels' extension (harness/kernels/extension.py: -O3 -march=native
  * -ffast-math -fopenmp, linked without -ffast-math so loading it leaves the process's floating-point
  * mode alone), the operator harness_kernels::decode_attention (ops.cpp); used by `contiguous` and
  * `dynamic` for their decode steps on a CPU in fp32, and by `static_full` over its whole table with a

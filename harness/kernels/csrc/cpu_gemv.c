@@ -3,7 +3,7 @@
  * and, at the end, a decoder block's few-row calls built from it: the RMSNorm, RoPE, SwiGLU's activation
  * and the residual adds between its linears, in two parallel regions a block.
  *
- * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operators
+ * A C++ translation unit of the kernels' extension (harness/kernels/extension.py), the operators
  * harness_kernels::gemv, rms_norm, attention_input and attention_output_and_ffn_ (ops.cpp); called by
  * harness/model/cpu_gemv.py. Why it is shaped this way (scripts/step_kernels_ab.py measures the
  * alternatives on the machine at hand, the 33 linears of a cpu_small step in a row):

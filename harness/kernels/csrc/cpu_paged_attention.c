@@ -1,7 +1,7 @@
 /* Decode attention over a paged fp32 KV cache on a CPU: one query position per sequence, GQA, keys and
  * values read in place through each sequence's block table (no gather copy).
  *
- * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operator
+ * A C++ translation unit of the kernels' extension (harness/kernels/extension.py), the operator
  * harness_kernels::paged_decode_attention (ops.cpp); used by `paged` for its decode steps on a CPU in
  * fp32 (strategy.backend=auto|c).
  *

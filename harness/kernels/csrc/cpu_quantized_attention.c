@@ -1,6 +1,6 @@
 /* Decode attention over a quantized KV cache on a CPU (int8, int4, fp8 e4m3), fp32 compute, GQA.
  *
- * A C++ translation unit of the kernels' extension (harness/kernels/build.py), the operators
+ * A C++ translation unit of the kernels' extension (harness/kernels/extension.py), the operators
  * harness_kernels::quantized_decode_attention and quantize_rows_ (ops.cpp); used by `quantized`
  * (strategies/quantized.py) for its decode steps on a CPU in fp32.
  *

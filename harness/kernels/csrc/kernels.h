@@ -3,7 +3,7 @@
  *
  * Each kernel source (cpu_decode_attention.c, cpu_paged_attention.c, cpu_quantized_attention.c,
  * cpu_gemv.c) is plain C in the subset C++ also compiles, includes no torch header, and is built as a
- * C++ translation unit of the one extension (harness/kernels/build.py), so it compiles in seconds. The
+ * C++ translation unit of the one extension (harness/kernels/extension.py), so it compiles in seconds. The
  * entry points have C linkage: any C or C++ compiler builds the same symbols. Pointers are to fp32
  * unless said; strides are in elements (the quantized payloads' in bytes); every kernel takes its
  * thread count and runs one OpenMP parallel region on torch's runtime.

@@ -17,9 +17,9 @@ import pandas as pd  # noqa: E402
 
 from harness.analysis import analytic  # noqa: E402
 from harness.analysis.results import SERIES  # noqa: E402
-from harness.report import format as fmt  # noqa: E402
+from harness.report import units as fmt  # noqa: E402
 from harness.report.document import Block, Figure, Heading, Paragraph, Table  # noqa: E402
-from harness.report.groups import Group, cached_rows, plain_cache_strategy  # noqa: E402
+from harness.report.cohorts import Cohort, cached_rows, plain_cache_strategy  # noqa: E402
 from harness.report.plots import DPI, MARKERS, log_scale  # noqa: E402
 from harness.report.verdicts import Comparison, compare  # noqa: E402
 
@@ -31,7 +31,7 @@ RANDOM_WEIGHTS_WARNING = (
     "Judge a format on a checkpoint and real text: `model.checkpoint=PATH prompt=PATH` (docs/method.md).")
 
 
-def ran_rows(group: Group) -> pd.DataFrame:
+def ran_rows(group: Cohort) -> pd.DataFrame:
     """Rows that ran, noisy ones included: a noisy row's accuracy columns do not depend on the machine's
     load, only its times do (comparisons leaves those out)."""
     return group.rows[group.rows["status"] == "ok"].dropna(subset=["decode_step_s"])
@@ -41,13 +41,13 @@ def noisy(row: pd.Series) -> bool:
     return bool(row.get("noisy")) if not pd.isna(row.get("noisy")) else False
 
 
-def narrow_rows(group: Group) -> pd.DataFrame:
+def narrow_rows(group: Cohort) -> pd.DataFrame:
     """Rows that ran of caches stored below the compute dtype's width."""
     cached = cached_rows(ran_rows(group))
     return cached[cached["cache_value_bits"].fillna(0) > 0] if "cache_value_bits" in cached else cached.iloc[0:0]
 
 
-def comparisons(group: Group) -> list[dict]:
+def comparisons(group: Cohort) -> list[dict]:
     """One dict per narrow row that has a plain-cache row at the same batch and ctx; the measured speedup
     is None where either row is noisy."""
     ran = ran_rows(group)
@@ -90,7 +90,7 @@ def perplexity_text(found: dict) -> str:
     return f"{exact:.4g} → {cache:.4g} ({cache - exact:+.3g})"
 
 
-def weights_note(group: Group) -> str:
+def weights_note(group: Cohort) -> str:
     """Where the group's accuracy figures came from: random weights (with the warning), a checkpoint
     (its folder and hash) and the prompt (a file, or random ids)."""
     rows = narrow_rows(group)
@@ -109,7 +109,7 @@ def weights_note(group: Group) -> str:
     return " ".join(parts)
 
 
-def speedup_against_accuracy(group: Group, found: list[dict], folder: Path) -> Path | None:
+def speedup_against_accuracy(group: Cohort, found: list[dict], folder: Path) -> Path | None:
     measured = [f for f in found if not pd.isna(f["kl"]) and f["measured"] is not None]
     if not measured:
         return None
@@ -132,7 +132,7 @@ def speedup_against_accuracy(group: Group, found: list[dict], folder: Path) -> P
     return path
 
 
-def format_section(groups: list[Group], folder: Path) -> list[Block]:
+def format_section(groups: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("What fewer bytes buy"), Paragraph(
         "Caches that store K/V below the compute dtype's width, at every point where the plain exact cache "
         "also ran: bytes per token (payload, scales and the full-width window, analytic), the step-time "

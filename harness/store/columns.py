@@ -186,11 +186,11 @@ SOURCES = {  # the headings of docs/columns.md, one per source
 
 
 def columns_markdown() -> str:
-    """docs/columns.md, generated from COLUMNS (`python -m harness.store.schema > docs/columns.md`;
+    """docs/columns.md, generated from COLUMNS (`python -m harness.store.columns > docs/columns.md`;
     a test keeps the committed file equal to this)."""
     lines = ["# Columns of a row", "",
              "Every Parquet row under `results/` has these columns, in this order (generated from",
-             "`harness/store/schema.py` by `python -m harness.store.schema > docs/columns.md`; a test keeps",
+             "`harness/store/columns.py` by `python -m harness.store.columns > docs/columns.md`; a test keeps",
              "them equal). Integers are nullable (pandas reads them as `Int64`), `timestamp` is a UTC",
              "timestamp. Ratios run measured / analytic; the `*_fraction` columns are shares of a roof reached.",
              ""]

@@ -12,8 +12,8 @@ from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
 from harness.report import compare, plots, tables
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
-from harness.report.groups import Group, groups_of
-from harness.report.formats import format_section
+from harness.report.cohorts import Cohort, cohorts_of
+from harness.report.kv_formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
 from harness.report.overhead import overhead_section
@@ -45,7 +45,7 @@ def _status_counts(table: pd.DataFrame) -> str:
     return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "skipped", "failed"))
 
 
-def _group_section(group: Group, folder: Path, sets: list) -> list[Block]:
+def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
     """The plots of one model/device/dtype, each with a caption saying what to look at."""
     out: list[Block] = [Heading(f"Measured against predicted: {group.title}"),
                         Paragraph(f"Roof: {group.roof_description}.")]
@@ -114,7 +114,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         return blocks + [Paragraph(
             f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
-    groups = groups_of(table)
+    groups = cohorts_of(table)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
     verdicts: list = []
     blocks += [Heading("This machine, point by point"), Paragraph(

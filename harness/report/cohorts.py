@@ -22,7 +22,7 @@ GROUP_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
 
 
 @dataclass
-class Group:
+class Cohort:
     """One model x device x dtype slice of the results, with the roof its predictions use."""
 
     model: str  # preset name
@@ -108,8 +108,8 @@ def ordered_strategies(rows: pd.DataFrame) -> list[str]:
     return sorted(rows[SERIES].unique(), key=lambda s: (s not in references, s))
 
 
-def groups_of(table: pd.DataFrame) -> list[Group]:
-    """One Group per model/device/dtype with at least one predicted row, largest first."""
+def cohorts_of(table: pd.DataFrame) -> list[Cohort]:
+    """One Cohort per model/device/dtype with at least one predicted row, largest first."""
     if table.empty or "roof_flops_used" not in table:
         return []
     found = []
@@ -122,7 +122,7 @@ def groups_of(table: pd.DataFrame) -> list[Group]:
         ran = predicted[predicted["status"] == "ok"]
         noisy = ran["noisy"].fillna(False).astype(bool) if "noisy" in ran else pd.Series(False, index=ran.index)
         ok = ran[~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
-        found.append(Group(
+        found.append(Cohort(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(device_name),
             shape=shape_of(first),
