@@ -43,6 +43,20 @@ def generate(strategy, model, prompt: torch.Tensor, new_tokens: int) -> torch.Te
     return torch.stack(tokens, dim=1)
 
 
+def same_at_thread_counts(call, counts=(1, 2, 3)) -> bool:
+    """Whether `call()` returns equal tensors, bit for bit, at each of torch's thread counts `counts`
+    (the C kernels take theirs from torch): torch's own count is put back after."""
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            outputs.append(call())
+    finally:
+        torch.set_num_threads(threads)
+    return all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
 def cpu_model(shape: ModelConfig, dtype=torch.float32, seed: int = 0, matmul: str = "auto"):
     """The model a CPU point builds: its linears through the kernel `matmul` resolves to (auto: the
     harness's default here, the C small-batch linear in fp32 where it builds)."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.model import cpu_gemv
-from tests.conftest import TINY, cpu_model, refused_by_runner
+from tests.conftest import TINY, cpu_model, refused_by_runner, same_at_thread_counts
 
 pytestmark = pytest.mark.skipif(cpu_gemv.unavailable() is not None, reason=f"C linear: {cpu_gemv.unavailable()}")
 
@@ -29,15 +29,7 @@ def test_the_kernel_computes_the_linear(rows, out_features, in_features):
 
 def test_the_result_does_not_depend_on_the_thread_count():
     x, weight = torch.randn(3, 512), torch.randn(1001, 512)
-    threads = torch.get_num_threads()
-    try:
-        outputs = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            outputs.append(cpu_gemv.gemv(x, weight))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+    assert same_at_thread_counts(lambda: cpu_gemv.gemv(x, weight))
 
 
 def test_batched_leading_dimensions_are_rows():
@@ -132,18 +124,14 @@ def test_the_block_runs_in_place_and_does_not_depend_on_the_thread_count():
     _, fused = block_pair()
     rope = RotaryTable(TINY.resolved_head_dim, 8, 10000.0, torch.device("cpu"), torch.float32)
     x = torch.randn(3, 1, TINY.d_model)  # [B, T, d_model]
-    threads = torch.get_num_threads()
-    outputs = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            stream = x.clone()
-            with torch.no_grad():
-                assert fused(stream, rope, RecordingCache(), 2) is stream  # the residual stream, updated in place
-            outputs.append(stream)
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+    def block():
+        stream = x.clone()
+        with torch.no_grad():
+            assert fused(stream, rope, RecordingCache(), 2) is stream  # the residual stream, updated in place
+        return stream
+
+    assert same_at_thread_counts(block)
 
 
 def test_matmul_c_wraps_every_block():

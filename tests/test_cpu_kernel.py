@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 from harness.kernels import extension
 from strategies import StrategyUnavailable, cpu_kernel
-from tests.conftest import STRATEGIES
 from strategies.contiguous import C_KERNEL
-from tests.conftest import GQA4
+from tests.conftest import GQA4, STRATEGIES, same_at_thread_counts
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(cpu_kernel.unavailable(CPU, torch.float32) is not None,
@@ -68,6 +67,17 @@ def test_long_tables_interleave_their_segments_exactly():
             expected = F.scaled_dot_product_attention(q, table_k, table_v)
             torch.testing.assert_close(cpu_kernel.decode_attention(q, table_k, table_v, length), expected,
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,group,visible", [(64, 2, 700), (128, 4, 700), (64, 4, 300), (40, 4, 700),
+                                                    (16, 2, 700), (24, 3, 250)])
+def test_the_output_does_not_depend_on_the_thread_count(head_dim, group, visible):
+    """One task per (sequence, KV head), computed in the same order whichever thread takes it: 1, 2 and 3
+    threads give the same bits, on the fixed-width path (64, 128) and the generic one, masked or not."""
+    generator = torch.Generator().manual_seed(head_dim)
+    k, v = (torch.randn(3, 2, 700, head_dim, generator=generator) for _ in range(2))  # [B, n_kv, S, D]
+    q = torch.randn(3, 2, group, head_dim, generator=generator)  # [B, n_kv, G, D]
+    assert same_at_thread_counts(lambda: cpu_kernel.masked_decode_attention(q, k, v, 700, visible))
 
 
 def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():

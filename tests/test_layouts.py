@@ -23,7 +23,7 @@ from strategies.dynamic import DynamicStrategy
 from strategies.no_cache import NoCacheStrategy
 from strategies.paged import PagedStrategy, gather_blocks, paged_decode_attention
 from strategies.static_full import StaticFullStrategy
-from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate
+from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate, same_at_thread_counts
 
 CPU = torch.device("cpu")
 C_KERNEL_REASON = paged.c_kernel_unavailable(CPU, torch.float32)
@@ -148,23 +148,16 @@ def test_paged_kernel_matches_gather_and_sdpa(batch, n_kv, group, head_dim, leng
 
 
 @needs_c_kernel
-@pytest.mark.parametrize("batch,n_kv", [(3, 8), (3, 2), (5, 1)])
-def test_paged_kernel_output_does_not_depend_on_the_thread_count(batch, n_kv):
-    """The kernel groups (sequence, KV head) pairs into tasks by the thread count (here runs of 1 to 4
-    lanes, some crossing sequences, the last of a split shorter); each row's arithmetic stays the
-    same, so the outputs are equal bit for bit."""
+@pytest.mark.parametrize("batch,n_kv,head_dim", [(3, 8, 40), (3, 2, 40), (5, 1, 24), (3, 2, 64), (2, 2, 128)])
+def test_paged_kernel_output_does_not_depend_on_the_thread_count(batch, n_kv, head_dim):
+    """The generic path (head dims other than 64 and 128) groups (sequence, KV head) pairs into tasks by
+    the thread count (here runs of 1 to 4 lanes, some crossing sequences, the last of a split shorter);
+    each row's arithmetic stays the same, so the outputs are equal bit for bit; so are the fixed-width
+    path's, a task per pair."""
     generator = torch.Generator().manual_seed(3)
-    _, k_pool, _, v_pool, table = random_pool(batch, n_kv, 64, 150, 16, generator)
-    q = torch.randn(batch, n_kv, 4, 64, generator=generator)
-    threads = torch.get_num_threads()
-    outputs = []
-    try:
-        for count in (1, 2, 3, 4):
-            torch.set_num_threads(count)
-            outputs.append(paged_decode_attention(q, k_pool, v_pool, table, 150))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+    _, k_pool, _, v_pool, table = random_pool(batch, n_kv, head_dim, 150, 16, generator)
+    q = torch.randn(batch, n_kv, 4, head_dim, generator=generator)
+    assert same_at_thread_counts(lambda: paged_decode_attention(q, k_pool, v_pool, table, 150), (1, 2, 3, 4))
 
 
 @needs_c_kernel

@@ -15,7 +15,7 @@ from strategies.quantization import (
     quantize_per_token, unpack_int4,
 )
 from strategies.quantized import QUANTIZED_KERNEL, QuantizedLayerCache, QuantizedStrategy
-from tests.conftest import GQA4, TINY, cpu_model
+from tests.conftest import GQA4, TINY, cpu_model, same_at_thread_counts
 
 CPU = torch.device("cpu")
 C_REASON = QUANTIZED_KERNEL.unavailable(CPU, torch.float32)
@@ -172,6 +172,21 @@ def test_c_kernel_matches_dequantize_then_sdpa(fmt, group_size, key_axis, residu
     # The reference in float64 on the values as stored: fp32 SDPA's own error reaches ~2e-5 at head_dim 128.
     expected = F.scaled_dot_product_attention(q.double(), *(t.double() for t in cache.read(length))).float()
     torch.testing.assert_close(cache.c_attention(q, length), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_c
+@pytest.mark.parametrize("fmt,group_size,key_axis,residual,head_dim", [
+    ("int8", 32, "token", 0, 64), ("int4", 32, "token", 16, 64), ("fp8_e4m3", 32, "channel", 16, 64),
+    ("int8", 32, "token", 16, 40), ("int4", 8, "token", 0, 16), ("fp8_e4m3", 32, "channel", 8, 24)])
+def test_c_kernel_output_does_not_depend_on_the_thread_count(fmt, group_size, key_axis, residual, head_dim):
+    """Tasks are handed out one (sequence, KV head) at a time, each computed in one order whichever
+    thread takes it: 1, 2 and 3 threads give the same bits, on the vector path (head_dim 64) and the
+    generic one, with and without a window."""
+    spec = QuantSpec(fmt, group_size, key_axis, residual)
+    cache = QuantizedLayerCache(3, 2, 300, head_dim, CPU, torch.float32, spec, use_c_kernel=True)
+    cache.write(random_rows(3, 2, 250, head_dim, seed=1), random_rows(3, 2, 250, head_dim, seed=2), 0)
+    q = random_rows(3, 2, 4, head_dim, seed=3)  # [B, n_kv, G, D]
+    assert same_at_thread_counts(lambda: cache.c_attention(q, 250))
 
 
 @needs_c

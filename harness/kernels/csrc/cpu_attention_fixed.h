@@ -1,5 +1,6 @@
-/* The fixed-width decode attention both CPU kernels share (cpu_decode_attention.c for contiguous
- * tables, cpu_paged_attention.c for paged pools), for head dimensions 64 and 128.
+/* The fixed-width decode attention both fp32 kernels share (cpu_decode_attention.c for contiguous
+ * tables, cpu_paged_attention.c for paged pools), for head dimensions 64 and 128; other widths take
+ * cpu_attention_generic.h.
  *
  * Included by those sources (kernels.h defines MAX_GROUP and MAX_DIM). Why it is shaped this way
  * (scripts/kernel_read_rate.py measures it on the machine at hand):
@@ -9,9 +10,9 @@
  *   on a cache-resident table, in AVX-512 and AVX2 builds alike.
  * - Memory-level parallelism. One core reading one stream reads markedly slower than one reading 4 or
  *   more streams interleaved every <= 1 KB, and software prefetch does not close that gap. So a block
- *   is not BLOCK consecutive keys: the keys are split into STREAMS equal segments and a block takes
- *   BLOCK / STREAMS keys from each, in chunks of CHUNK_BYTES that alternate between the segments (8
- *   segments of 512 B chunks read faster than 4 of 1 KB, 2 segments slower). Softmax does not care in
+ *   is not SOFTMAX_BLOCK consecutive keys: the keys are split into KEY_SEGMENTS equal segments and a
+ *   block takes PER_SEGMENT keys from each, in chunks of CHUNK_BYTES that alternate between the
+ *   segments (8 segments of 512 B chunks read faster than 4 of 1 KB, 2 segments slower). Softmax does not care in
  *   which order keys are summed, so this changes only the rounding (~1e-7).
  * - A row is found through kv_rows: a contiguous table, or a paged pool and its block table, resolved
  *   once per run of consecutive keys (one division, then a cursor).
@@ -20,99 +21,29 @@
 #ifndef CPU_ATTENTION_FIXED_H
 #define CPU_ATTENTION_FIXED_H
 
-#include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "attention_blocks.h" /* SOFTMAX_BLOCK, MASKED, online_softmax, kv_rows, locate_run */
+#include "vector.h"           /* LANES, vec, load_vec, store_vec, sum_lanes */
 
-#include "vector.h" /* LANES, vec, load_vec, store_vec, sum_lanes */
-
-#define BLOCK 64         /* keys per online-softmax block: its scores (MAX_GROUP x BLOCK floats) stay in L1 */
-#define STREAMS 8        /* segments read in lockstep: a core reads 4 or more streams faster than one */
-#define CHUNK_BYTES 512  /* bytes read from one segment before the next (4 KB chunks lost the gain) */
-#define MASKED (-FLT_MAX) /* a masked key's score: finite, as -ffast-math assumes no infinities */
-
-
-/* One block of an online softmax (FlashAttention's running max and sum) for one query row: the n
- * scores become weights exp(score - max) in place, and the running max and sum take the block in.
- * Returns the factor the output accumulated so far must be scaled by (the old max against the new).
- * weight_mask (NULL: none) is 1 for a visible key and 0 for a masked one, whose score was MASKED. */
-static inline float online_softmax(float *scores, int64_t n, float *running_max, float *running_sum,
-                                   const float *weight_mask) {
-    float block_max = *running_max;
-    for (int64_t j = 0; j < n; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
-    float correction = expf(*running_max - block_max), block_sum = 0.0f;
-    *running_max = block_max;
-    if (weight_mask != NULL) {
-        /* A masked weight is exactly 0. Its exponent is clamped first: libmvec's vector expf leaves for
-         * a scalar fallback on arguments far below its range, which is slower. */
-#pragma omp simd reduction(+ : block_sum)
-        for (int64_t j = 0; j < n; j++) {
-            scores[j] = weight_mask[j] * expf(fmaxf(scores[j] - block_max, -87.0f));
-            block_sum += scores[j];
-        }
-    } else {
-#pragma omp simd reduction(+ : block_sum)
-        for (int64_t j = 0; j < n; j++) {
-            scores[j] = expf(scores[j] - block_max);
-            block_sum += scores[j];
-        }
-    }
-    *running_sum = *running_sum * correction + block_sum;
-    return correction;
-}
-
-/* Where one (sequence, KV head)'s rows are: row p of a contiguous table at k + p * k_row, or, paged,
- * row p % block_size of block pages[p / block_size], each block block_stride elements from the last. */
-typedef struct {
-    const float *k, *v;    /* the table (or the pool) at this KV head */
-    int64_t k_row, v_row;  /* elements from one row to the next */
-    const int32_t *pages;  /* paged: this sequence's block ids; NULL: a contiguous table */
-    int64_t block_size, k_block, v_block; /* paged: rows per block, elements from one block to the next */
-} kv_rows;
-
-/* Rows first .. first + count - 1 into key_rows/value_rows/keys at positions at[0], at[1], ...:
- * one division per run, then a cursor that steps to the next block at a block boundary. */
-static inline void locate_run(const kv_rows *rows, int64_t first, int64_t count, const int64_t *at,
-                              const float **key_rows, const float **value_rows, int64_t *keys) {
-    if (rows->pages == NULL) {
-        for (int64_t i = 0; i < count; i++) {
-            key_rows[at[i]] = rows->k + (first + i) * rows->k_row;
-            value_rows[at[i]] = rows->v + (first + i) * rows->v_row;
-            keys[at[i]] = first + i;
-        }
-        return;
-    }
-    int64_t page = first / rows->block_size, offset = first % rows->block_size;
-    for (int64_t i = 0; i < count; i++) {
-        int64_t block = rows->pages[page];
-        key_rows[at[i]] = rows->k + block * rows->k_block + offset * rows->k_row;
-        value_rows[at[i]] = rows->v + block * rows->v_block + offset * rows->v_row;
-        keys[at[i]] = first + i;
-        if (++offset == rows->block_size) { /* a lookup of the next id happens only when a row needs it */
-            offset = 0;
-            page++;
-        }
-    }
-}
+#define KEY_SEGMENTS 8  /* segments of a table read in lockstep: a core reads 4 or more streams faster than one */
+#define PER_SEGMENT (SOFTMAX_BLOCK / KEY_SEGMENTS) /* keys a block takes from each segment */
+#define CHUNK_BYTES 512 /* bytes read from one segment before the next (4 KB chunks lost the gain) */
 
 /* The rows of block `index` (n of them, in the order they are read) and their key numbers. The first
- * `interleaved` blocks take BLOCK / STREAMS keys from each of STREAMS equal segments, `chunk`
- * consecutive keys at a time; the blocks after them are consecutive keys from `tail_start` on. */
+ * `interleaved` blocks take PER_SEGMENT keys from each of KEY_SEGMENTS equal segments, `chunk` consecutive
+ * keys at a time; the blocks after them are consecutive keys from `tail_start` on. */
 static inline void block_rows(const kv_rows *rows, int64_t index, int64_t interleaved, int64_t segment,
                               int64_t tail_start, int64_t n, int64_t chunk, const float **key_rows,
-                              const float **value_rows, int64_t keys[BLOCK]) {
-    int64_t at[BLOCK];
+                              const float **value_rows, int64_t keys[SOFTMAX_BLOCK]) {
+    int64_t at[SOFTMAX_BLOCK];
     if (index < interleaved) {
-        for (int64_t stream = 0; stream < STREAMS; stream++) {
-            for (int64_t within = 0; within < BLOCK / STREAMS; within++)
-                at[within] = (within / chunk) * chunk * STREAMS + stream * chunk + within % chunk;
-            locate_run(rows, stream * segment + index * (BLOCK / STREAMS), BLOCK / STREAMS, at, key_rows,
-                       value_rows, keys);
+        for (int64_t stream = 0; stream < KEY_SEGMENTS; stream++) {
+            for (int64_t within = 0; within < PER_SEGMENT; within++)
+                at[within] = (within / chunk) * chunk * KEY_SEGMENTS + stream * chunk + within % chunk;
+            locate_run(rows, stream * segment + index * PER_SEGMENT, PER_SEGMENT, at, key_rows, value_rows, keys);
         }
     } else {
         for (int64_t j = 0; j < n; j++) at[j] = j;
-        locate_run(rows, tail_start + (index - interleaved) * BLOCK, n, at, key_rows, value_rows, keys);
+        locate_run(rows, tail_start + (index - interleaved) * SOFTMAX_BLOCK, n, at, key_rows, value_rows, keys);
     }
 }
 
@@ -121,7 +52,7 @@ static inline __attribute__((always_inline)) void attend_fixed(
         const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length, int64_t visible, float scale,
         const int lines) {
     const int64_t dim = LANES * lines;
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][BLOCK];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK];
     vec acc[MAX_GROUP][MAX_DIM / LANES];
     for (int64_t g = 0; g < group; g++) {
         running_max[g] = -FLT_MAX;
@@ -129,14 +60,15 @@ static inline __attribute__((always_inline)) void attend_fixed(
         for (int c = 0; c < lines; c++) acc[g][c] = (vec){0};
     }
     int64_t chunk = CHUNK_BYTES / (int64_t)(sizeof(float) * dim); /* keys read from a segment in a row */
-    int64_t interleaved = length / BLOCK, segment = interleaved * (BLOCK / STREAMS);
-    int64_t tail_start = STREAMS * segment, blocks = interleaved + (length - tail_start + BLOCK - 1) / BLOCK;
-    int64_t keys[BLOCK];
-    const float *key_rows[BLOCK], *value_rows[BLOCK];
-    float weight_mask[BLOCK]; /* 1 for a visible key, 0 for a masked one */
+    int64_t interleaved = length / SOFTMAX_BLOCK, segment = interleaved * PER_SEGMENT;
+    int64_t tail_start = KEY_SEGMENTS * segment;
+    int64_t blocks = interleaved + (length - tail_start + SOFTMAX_BLOCK - 1) / SOFTMAX_BLOCK;
+    int64_t keys[SOFTMAX_BLOCK];
+    const float *key_rows[SOFTMAX_BLOCK], *value_rows[SOFTMAX_BLOCK];
+    float weight_mask[SOFTMAX_BLOCK]; /* 1 for a visible key, 0 for a masked one */
     for (int64_t index = 0; index < blocks; index++) {
-        int64_t n = index < interleaved ? BLOCK : length - tail_start - (index - interleaved) * BLOCK;
-        if (n > BLOCK) n = BLOCK;
+        int64_t n = index < interleaved ? SOFTMAX_BLOCK : length - tail_start - (index - interleaved) * SOFTMAX_BLOCK;
+        if (n > SOFTMAX_BLOCK) n = SOFTMAX_BLOCK;
         block_rows(rows, index, interleaved, segment, tail_start, n, chunk, key_rows, value_rows, keys);
         int masked = 0;
         for (int64_t j = 0; j < n; j++) {

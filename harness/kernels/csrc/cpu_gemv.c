@@ -10,7 +10,7 @@
  * - A decode step's linears are a weight read: each weight float meets only `rows` inputs. MKL's sgemv
  *   (aten) and oneDNN's packed kernel read the few-MB matrices of a small model well below what the
  *   same cores read in parallel streams, and one core reading one stream reads markedly slower than
- *   one reading 4 or more interleaved streams. So a thread's rows are split into STREAMS equal
+ *   one reading 4 or more interleaved streams. So a thread's rows are split into WEIGHT_STREAMS equal
  *   segments and it walks them in lockstep: one vector of row i of every segment in turn, each row a
  *   stream of its own.
  * - Each weight vector is loaded once per tile of up to TILE input rows and multiplied into a register
@@ -18,7 +18,7 @@
  *   AVX-512's 32 registers (8 x 4 spills); 6 x 4 was also among the fastest splits in an AVX2 build
  *   (16 registers). More input rows are further tiles over the same weight rows, which are then in L1
  *   or L2.
- * - The STREAMS x TILE horizontal sums go LANES at a time through vector.h's transpose tree, which
+ * - The WEIGHT_STREAMS x TILE horizontal sums go LANES at a time through vector.h's transpose tree, which
  *   beats a scalar chain per output at 1-4 rows.
  * - Each output is one thread's sum in a fixed order, so the result does not depend on the thread count.
  */
@@ -29,8 +29,8 @@
 #include "kernels.h"
 #include "vector.h" /* LANES, vec, load_vec, sum_lanes */
 
-#define STREAMS 6 /* weight rows read in lockstep per thread (one stream reads markedly slower) */
-#define TILE 4    /* input rows per pass over the weight rows: STREAMS x TILE accumulators in registers */
+#define WEIGHT_STREAMS 6 /* weight rows read in lockstep per thread (one stream reads markedly slower) */
+#define TILE 4 /* input rows per pass over the weight rows: WEIGHT_STREAMS x TILE accumulators in registers */
 #define ACTIVATION_BLOCK 256 /* SwiGLU activation values a thread takes at a time */
 
 
@@ -40,7 +40,7 @@
 static inline __attribute__((always_inline)) void dot_rows(const float *x, const float *w, float *out, int64_t k_len,
                                                           int64_t n_len, const int64_t *row, const int n_rows,
                                                           const int n_inputs, const int accumulate) {
-    vec acc[STREAMS][TILE];
+    vec acc[WEIGHT_STREAMS][TILE];
     for (int s = 0; s < n_rows; s++)
         for (int r = 0; r < n_inputs; r++) acc[s][r] = (vec){0};
     const int64_t k_vec = k_len / LANES * LANES;
@@ -72,19 +72,19 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, const
 
 #define DOT_ROWS(n_rows, n_inputs) dot_rows(x_tile, w, out_tile, k_len, n_len, row, n_rows, n_inputs, accumulate)
 
-/* Every input row against weight rows row[0..n_rows-1] (n_rows is STREAMS or 1), a tile at a time. */
+/* Every input row against weight rows row[0..n_rows-1] (n_rows is WEIGHT_STREAMS or 1), a tile at a time. */
 static void dot_all_inputs(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len,
                            int64_t n_len, const int64_t *row, int n_rows, int accumulate) {
     for (int64_t first = 0; first < n_inputs; first += TILE) {
         const float *x_tile = x + first * k_len;
         float *out_tile = out + first * n_len;
         int64_t tile = n_inputs - first < TILE ? n_inputs - first : TILE;
-        if (n_rows == STREAMS) {
+        if (n_rows == WEIGHT_STREAMS) {
             switch (tile) {
-            case 1: DOT_ROWS(STREAMS, 1); break;
-            case 2: DOT_ROWS(STREAMS, 2); break;
-            case 3: DOT_ROWS(STREAMS, 3); break;
-            default: DOT_ROWS(STREAMS, TILE); break;
+            case 1: DOT_ROWS(WEIGHT_STREAMS, 1); break;
+            case 2: DOT_ROWS(WEIGHT_STREAMS, 2); break;
+            case 3: DOT_ROWS(WEIGHT_STREAMS, 3); break;
+            default: DOT_ROWS(WEIGHT_STREAMS, TILE); break;
             }
         } else {
             switch (tile) {
@@ -99,19 +99,19 @@ static void dot_all_inputs(const float *x, const float *w, float *out, int64_t n
 
 /* One thread's share of out = x @ w^T (out += x @ w^T with accumulate), called inside a parallel
  * region: x [n_inputs, k_len], w [n_len, k_len], out [n_inputs, n_len], all contiguous. Each thread
- * takes an equal range of weight rows; the rows a range leaves after its STREAMS equal segments go one
+ * takes an equal range of weight rows; the rows a range leaves after its WEIGHT_STREAMS equal segments go one
  * by one. */
 static void gemv_share(const float *x, const float *w, float *out, int64_t n_inputs, int64_t k_len, int64_t n_len,
                        int accumulate) {
     const int thread = omp_get_thread_num(), n_threads = omp_get_num_threads();
     const int64_t first = n_len * thread / n_threads, end = n_len * (thread + 1) / n_threads;
-    const int64_t segment = (end - first) / STREAMS;
-    int64_t row[STREAMS];
+    const int64_t segment = (end - first) / WEIGHT_STREAMS;
+    int64_t row[WEIGHT_STREAMS];
     for (int64_t i = 0; i < segment; i++) {
-        for (int s = 0; s < STREAMS; s++) row[s] = first + s * segment + i;
-        dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, STREAMS, accumulate);
+        for (int s = 0; s < WEIGHT_STREAMS; s++) row[s] = first + s * segment + i;
+        dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, WEIGHT_STREAMS, accumulate);
     }
-    for (int64_t r = first + segment * STREAMS; r < end; r++) {
+    for (int64_t r = first + segment * WEIGHT_STREAMS; r < end; r++) {
         row[0] = r;
         dot_all_inputs(x, w, out, n_inputs, k_len, n_len, row, 1, accumulate);
     }

@@ -37,14 +37,18 @@ void paged_decode_attention(const float *q, const float *k_pool, const int64_t *
                             int64_t batch, int64_t n_kv, int64_t group, int64_t length, int64_t block_size,
                             int64_t dim, float scale, int threads);
 
-/* cpu_quantized_attention.c: attention over a quantized cache and its fp32 window, and the write side. */
-void quantized_decode_attention(const float *q, const uint8_t *k_payload, const int64_t *k_strides,
-                                const float *k_scales, const int64_t *k_scale_strides, const uint8_t *v_payload,
-                                const int64_t *v_strides, const float *v_scales, const int64_t *v_scale_strides,
-                                const float *k_window, const float *v_window, const int64_t *window_strides,
-                                float *out, int64_t batch, int64_t n_kv, int64_t group, int64_t quantized_length,
-                                int64_t window_length, int64_t dim, int format, int64_t span, int64_t key_block,
-                                float scale, int threads);
+/* cpu_quantized_attention.c: attention over a quantized cache and its fp32 window, and the write side.
+ * A quantized table (K or V) of every (sequence, KV head): */
+typedef struct {
+    const uint8_t *payload;       /* [B, n_kv, S, W] codes */
+    const int64_t *strides;       /* its first three strides, in bytes (rows contiguous) */
+    const float *scales;          /* fp32 scales, [B, n_kv, S, D / span] (channel-axis keys: [B, n_kv, S / key_block, D]) */
+    const int64_t *scale_strides; /* their first three strides, in floats */
+} quantized_table;
+void quantized_decode_attention(const float *q, quantized_table keys, quantized_table values, const float *k_window,
+                                const float *v_window, const int64_t *window_strides, float *out, int64_t batch,
+                                int64_t n_kv, int64_t group, int64_t quantized_length, int64_t window_length,
+                                int64_t dim, int format, int64_t span, int64_t key_block, float scale, int threads);
 void quantize_rows(const float *x, const int64_t *x_strides, int64_t batch, int64_t n_kv, int64_t n, int64_t dim,
                    int format, int64_t span, uint8_t *payload, const int64_t *payload_strides, float *scales,
                    const int64_t *scale_strides, int64_t start);

@@ -40,6 +40,18 @@ void check_heads(int64_t group, int64_t dim) {
                 MAX_GROUP, " query heads per KV head and head_dim up to ", MAX_DIM, "; got ", group, " and ", dim);
 }
 
+// q [B, n_kv, G, D] and the two tables an attention kernel reads with it: float32 CPU tensors, 4-d, the
+// tables' rows contiguous, G and D within the kernels' limits.
+void check_attention(const Tensor &q, const Tensor &k, const char *k_name, const Tensor &v, const char *v_name) {
+    for (auto [t, name] : {std::pair{&q, "q"}, {&k, k_name}, {&v, v_name}}) {
+        check_float(*t, name);
+        TORCH_CHECK(t->dim() == 4, name, " must be 4-d, got ", t->sizes());
+    }
+    check_rows(k, k_name);
+    check_rows(v, v_name);
+    check_heads(q.size(2), q.size(3));
+}
+
 // The first three strides of a 4-d tensor (zeros for an absent one), as the kernels take them.
 std::vector<int64_t> strides3(const Tensor &t) {
     return {t.stride(0), t.stride(1), t.stride(2)};
@@ -60,12 +72,8 @@ float *scratch(std::vector<float> &buffer, int64_t floats) {
 
 // q [B, n_kv, G, D]; k, v [B, n_kv, S, D] (rows 0..length-1 read, rows visible.. weighted 0) -> [B, n_kv, G, D].
 Tensor decode_attention_cpu(const Tensor &q, const Tensor &k, const Tensor &v, int64_t length, int64_t visible) {
-    for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_float(*t, name);
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be 4-d");
-    check_rows(k, "k");
-    check_rows(v, "v");
+    check_attention(q, k, "k", v, "v");
     const int64_t batch = q.size(0), n_kv = q.size(1), group = q.size(2), dim = q.size(3);
-    check_heads(group, dim);
     TORCH_CHECK(k.size(0) == batch && k.size(1) == n_kv && k.size(3) == dim && v.sizes() == k.sizes(),
                 "k and v must be [", batch, ", ", n_kv, ", S, ", dim, "], got ", k.sizes(), " and ", v.sizes());
     TORCH_CHECK(0 < length && length <= k.size(2) && 0 < visible && visible <= length,
@@ -88,12 +96,8 @@ Tensor decode_attention_meta(const Tensor &q, const Tensor &, const Tensor &, c1
 // q [B, n_kv, G, D]; pools head-major [n_blocks, n_kv, block_size, D]; block_table [B, max_blocks] int32.
 Tensor paged_decode_attention_cpu(const Tensor &q, const Tensor &k_pool, const Tensor &v_pool,
                                   const Tensor &block_table, int64_t length) {
-    for (auto [t, name] : {std::pair{&q, "q"}, {&k_pool, "k_pool"}, {&v_pool, "v_pool"}}) check_float(*t, name);
-    TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, "q and the pools must be 4-d");
-    check_rows(k_pool, "k_pool");
-    check_rows(v_pool, "v_pool");
+    check_attention(q, k_pool, "k_pool", v_pool, "v_pool");
     const int64_t batch = q.size(0), n_kv = q.size(1), group = q.size(2), dim = q.size(3);
-    check_heads(group, dim);
     TORCH_CHECK(k_pool.size(1) == n_kv && k_pool.size(3) == dim && v_pool.sizes() == k_pool.sizes(),
                 "pools ", k_pool.sizes(), " and ", v_pool.sizes(), " are not head-major [n_blocks, ", n_kv,
                 ", block_size, ", dim, "]");
@@ -160,9 +164,10 @@ Tensor quantized_decode_attention_cpu(const Tensor &q, const Tensor &k_payload, 
     const auto k_strides = strides3(k_payload), v_strides = strides3(v_payload);
     const auto k_scale_strides = strides3(k_scales), v_scale_strides = strides3(v_scales);
     const auto window_strides = windowed ? strides3(*k_window) : std::vector<int64_t>{0, 0, 0};
-    quantized_decode_attention(rows.data_ptr<float>(), bytes(k_payload), k_strides.data(), k_scales.data_ptr<float>(),
-                               k_scale_strides.data(), bytes(v_payload), v_strides.data(), v_scales.data_ptr<float>(),
-                               v_scale_strides.data(), windowed ? k_window->data_ptr<float>() : nullptr,
+    const quantized_table keys = {bytes(k_payload), k_strides.data(), k_scales.data_ptr<float>(), k_scale_strides.data()};
+    const quantized_table values = {bytes(v_payload), v_strides.data(), v_scales.data_ptr<float>(),
+                                    v_scale_strides.data()};
+    quantized_decode_attention(rows.data_ptr<float>(), keys, values, windowed ? k_window->data_ptr<float>() : nullptr,
                                windowed ? v_window->data_ptr<float>() : nullptr, window_strides.data(),
                                out.data_ptr<float>(), batch, n_kv, group, quantized_length, window_length, dim,
                                (int)format, span, key_block, inverse_sqrt(dim), threads());
@@ -312,24 +317,19 @@ TORCH_LIBRARY(harness_kernels, m) {
           "Tensor w13, Tensor w2) -> ()");
 }
 
+// Every operator: its name, and the stem of its CPU (<stem>_cpu) and Meta (<stem>_meta) implementations.
+#define OPERATORS(X)                                                                                       \
+    X("decode_attention", decode_attention) X("paged_decode_attention", paged_decode_attention)           \
+    X("quantized_decode_attention", quantized_decode_attention) X("quantize_rows_", quantize_rows)       \
+    X("gemv", gemv) X("rms_norm", rms_norm) X("attention_input", attention_input)                         \
+    X("attention_output_and_ffn_", attention_output_and_ffn)
+
 TORCH_LIBRARY_IMPL(harness_kernels, CPU, m) {
-    m.impl("decode_attention", &decode_attention_cpu);
-    m.impl("paged_decode_attention", &paged_decode_attention_cpu);
-    m.impl("quantized_decode_attention", &quantized_decode_attention_cpu);
-    m.impl("quantize_rows_", &quantize_rows_cpu);
-    m.impl("gemv", &gemv_cpu);
-    m.impl("rms_norm", &rms_norm_cpu);
-    m.impl("attention_input", &attention_input_cpu);
-    m.impl("attention_output_and_ffn_", &attention_output_and_ffn_cpu);
+#define CPU_IMPLEMENTATION(name, stem) m.impl(name, &stem##_cpu);
+    OPERATORS(CPU_IMPLEMENTATION)
 }
 
 TORCH_LIBRARY_IMPL(harness_kernels, Meta, m) {
-    m.impl("decode_attention", &decode_attention_meta);
-    m.impl("paged_decode_attention", &paged_decode_attention_meta);
-    m.impl("quantized_decode_attention", &quantized_decode_attention_meta);
-    m.impl("quantize_rows_", &quantize_rows_meta);
-    m.impl("gemv", &gemv_meta);
-    m.impl("rms_norm", &rms_norm_meta);
-    m.impl("attention_input", &attention_input_meta);
-    m.impl("attention_output_and_ffn_", &attention_output_and_ffn_meta);
+#define META_IMPLEMENTATION(name, stem) m.impl(name, &stem##_meta);
+    OPERATORS(META_IMPLEMENTATION)
 }

@@ -1,0 +1,92 @@
+/* The decode attention both fp32 kernels share (cpu_decode_attention.c for contiguous tables,
+ * cpu_paged_attention.c for paged pools): attend_pair takes one (sequence, KV head) through the
+ * fixed-width path of cpu_attention_fixed.h at head dimensions 64 and 128, and through the generic path
+ * below at any other.
+ *
+ * The generic path: a task walks `lanes` (sequence, KV head) pairs in step, each found through its kv_rows: a block of
+ * SOFTMAX_BLOCK consecutive keys at a time, row j of every lane, then row j + 1, each row read from
+ * memory once; the G scores of a key row in one pass over it; values accumulated 16 columns at a time
+ * in registers; software prefetch GENERIC_PREFETCH_ROWS rows ahead, following each lane's rows (in
+ * another block of a paged pool at a block boundary). The contiguous kernel runs one lane a task; the
+ * paged kernel runs several (why: cpu_paged_attention.c). Each (pair, query) row is computed in the
+ * same order whatever the lanes, so outputs do not depend on how the pairs are split among threads.
+ * `visible` masks keys visible..length-1 (weight exactly 0) while still reading them: static_full.
+ */
+#ifndef CPU_ATTENTION_H
+#define CPU_ATTENTION_H
+
+#include "attention_blocks.h"    /* SOFTMAX_BLOCK, MASKED, the block routines, kv_rows, locate_run */
+#include "cpu_attention_fixed.h" /* attend_fixed */
+
+#define GENERIC_PREFETCH_ROWS 8 /* rows ahead (per lane) whose keys are prefetched: 4 to 12 read alike */
+#define MAX_LANES 8             /* most (sequence, KV head) pairs a task walks in step */
+#define RESOLVED (SOFTMAX_BLOCK + GENERIC_PREFETCH_ROWS) /* rows of a lane located per block: it and the prefetch's */
+
+/* The generic path over `lanes` pairs (the module comment). `contiguous` (a constant where it is
+ * inlined): the rows are one contiguous table's (one lane, pages NULL), found by their stride; else
+ * each block's rows are located through the lanes' tables first. */
+static inline __attribute__((always_inline)) void walk_lanes(const float *q, const kv_rows *lane_rows, int64_t lanes,
+                                                             float *out, int64_t group, int64_t length, int64_t visible,
+                                                             int64_t dim, float scale, const int contiguous) {
+    int64_t rows = lanes * group;
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK], acc[MAX_GROUP][MAX_DIM];
+    const float *keys[MAX_LANES][RESOLVED], *values[MAX_LANES][RESOLVED];
+    int64_t at[RESOLVED], numbers[RESOLVED];
+    float weight_mask[SOFTMAX_BLOCK]; /* 1 for a visible key, 0 for a masked one */
+    for (int64_t i = 0; i < RESOLVED; i++) at[i] = i;
+    start_rows(running_max, running_sum, acc, rows, dim);
+    for (int64_t start = 0; start < length; start += SOFTMAX_BLOCK) {
+        int64_t n = length - start < SOFTMAX_BLOCK ? length - start : SOFTMAX_BLOCK;
+        int64_t ahead = length - start < RESOLVED ? length - start : RESOLVED; /* never past length */
+        if (contiguous)
+            for (int64_t j = 0; j < n; j++) values[0][j] = lane_rows->v + (start + j) * lane_rows->v_row;
+        else
+            for (int64_t l = 0; l < lanes; l++) locate_run(&lane_rows[l], start, ahead, at, keys[l], values[l], numbers);
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t l = 0; l < lanes; l++) {
+                /* The key row GENERIC_PREFETCH_ROWS ahead (past the rows located: this one again) and this
+                 * value row, a 64-byte line at a time (a prefetch past a table's end never faults). */
+                const float *key = contiguous ? lane_rows->k + (start + j) * lane_rows->k_row : keys[l][j];
+                const float *next_key = contiguous ? key + GENERIC_PREFETCH_ROWS * lane_rows->k_row
+                                        : j + GENERIC_PREFETCH_ROWS < ahead ? keys[l][j + GENERIC_PREFETCH_ROWS] : key;
+                for (int64_t line = 0; line < dim; line += 16) {
+                    __builtin_prefetch(next_key + line);
+                    __builtin_prefetch(values[l][j] + line);
+                }
+                key_scores(q + l * group * dim, key, group, dim, scale, p + l * group, j);
+            }
+        }
+        int masked = start + n > visible;
+        for (int64_t j = 0; j < n; j++) weight_mask[j] = start + j < visible ? 1.0f : 0.0f;
+        if (masked)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = visible - start < 0 ? 0 : visible - start; j < n; j++) p[r][j] = MASKED;
+        softmax_rows(p, n, rows, dim, running_max, running_sum, acc, masked ? weight_mask : NULL);
+        for (int64_t r = 0; r < rows; r++) accumulate_values(values[r / group], n, p[r], dim, acc[r]);
+    }
+    finish_rows(running_sum, acc, rows, dim, out);
+}
+
+/* out[r] = softmax(scale * q[r] . K^T) V over keys 0..length-1 of lane r / group (keys visible..
+ * weighted 0), for the lanes * group query rows r (<= MAX_GROUP), consecutive in q and out. */
+static void attend_generic(const float *q, const kv_rows *lane_rows, int64_t lanes, float *out, int64_t group,
+                           int64_t length, int64_t visible, int64_t dim, float scale) {
+    if (lanes == 1 && lane_rows->pages == NULL)
+        walk_lanes(q, lane_rows, 1, out, group, length, visible, dim, scale, 1);
+    else
+        walk_lanes(q, lane_rows, lanes, out, group, length, visible, dim, scale, 0);
+}
+
+/* One (sequence, KV head), its rows found through `rows`: out[g] = softmax(scale * q[g] . K^T) V over
+ * keys 0..length-1, keys visible.. weighted 0. */
+static inline void attend_pair(const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length,
+                               int64_t visible, int64_t dim, float scale) {
+    if (dim == 64)
+        attend_fixed(q, rows, out, group, length, visible, scale, 64 / LANES);
+    else if (dim == 128)
+        attend_fixed(q, rows, out, group, length, visible, scale, 128 / LANES);
+    else
+        attend_generic(q, rows, 1, out, group, length, visible, dim, scale);
+}
+
+#endif
