@@ -304,7 +304,7 @@ def test_a_calibration_within_a_small_budget_records_what_it_did():
     from harness.run.calibrate import measure_within
 
     began = time.monotonic()
-    record = measure_within(("cpu", "float32", 0.2))
+    record = measure_within(("cpu", "float32", 0.2, True))
     assert time.monotonic() - began < 8
     assert record.read_bandwidth_Bps > 0 and record.matmul_flops > 0
     assert "of a 0.2 s budget" in record.method and "timed runs: read kernels" in record.method

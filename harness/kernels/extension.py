@@ -11,12 +11,14 @@ reads the constants from the extension (`constants`), never a copy.
 Built on first use by torch.utils.cpp_extension (ninja, `$CXX`, else `c++`) for the host's own
 instruction set (`-march=native`) and kept in a cache folder keyed by every file under csrc/, the
 compiler and its version, the flags, the CPU, torch and Python, so later processes load the library
-in milliseconds and a different CPU never loads a binary built for another. The build runs in a
-folder of its own and is renamed into place when it is complete: concurrent processes never load
-half a file, and a build that was killed leaves nothing another process waits on. Where it cannot be
-built (no compiler, no ninja, a compile error) `unavailable` says why, and its caller runs another
-kernel under that kernel's name (`auto`) or records the point as skipped (the kernel asked for by
-name).
+in milliseconds and a different CPU never loads a binary built for another. The cache
+(harness.kernels.cache) stamps a build once it is complete and checks the library against its stamp
+before loading it: a truncated or corrupted build is built again, never loaded; one process builds a
+key at a time, the others wait for it. Where it cannot be built or loaded (no compiler, no ninja, a
+compile error, a cache folder it cannot use) `unavailable` says why in one line, and its caller runs
+another kernel under that kernel's name (`auto`) or records the point as skipped (the kernel asked
+for by name). Nothing is built or loaded before a caller asks: a run whose kernels are all torch's
+never touches the cache.
 
 torch is imported before the library is loaded: its OpenMP calls then bind to the libgomp torch
 already loaded (same soname, libgomp.so.1, in torch's CPU wheels), so its parallel regions run on
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -36,6 +39,10 @@ from pathlib import Path
 
 import torch
 
+from harness.kernels import cache
+
+log = logging.getLogger("harness")
+
 NAMESPACE = "harness_kernels"  # the operators' namespace, and the library's name
 SOURCE_DIR = Path(__file__).with_name("csrc")  # every source and header of the extension
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -44,6 +51,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 # (weights, references, other strategies' points) would compute differently.
 LINK_FLAGS = ("-fopenmp",)
 CACHE_ENV = "HARNESS_KERNEL_CACHE"  # overrides the folder the built extension is kept in
+LIBRARY = f"{NAMESPACE}.so"  # the built library's file name in its build folder
 
 
 def cache_dir() -> Path:
@@ -111,31 +119,41 @@ def _put_ninja_on_path() -> None:
 
 
 def build_and_load(cxx: str) -> Path:
-    """The extension's folder, built now unless a build for these sources, compiler, flags and CPU is
-    there; the library is loaded into this process either way (its operators appear in torch.ops)."""
-    target = cache_dir() / f"{NAMESPACE}-{build_key(cxx)}"
-    if (target / f"{NAMESPACE}.so").exists():
-        torch.ops.load_library(str(target / f"{NAMESPACE}.so"))
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    building = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    """The extension's build folder, built now unless a complete build for these sources, compiler,
+    flags and CPU is there (harness.kernels.cache checks it); the library is loaded into this process
+    either way (its operators appear in torch.ops). RuntimeError in one line where it cannot be."""
+    key = build_key(cxx)
+    folder = cache_dir()
+    target = folder / f"{NAMESPACE}-{key}"
+    if cache.problem(target, LIBRARY, key) is not None:
+        with cache.building(folder, target.name):
+            problem = cache.problem(target, LIBRARY, key)  # another process may have built it meanwhile
+            if problem is not None:
+                if problem != "missing":
+                    log.warning(f"the cached kernel build {target} is {problem}: building it again")
+                    cache.set_aside(target)
+                _build(cxx, key, target)
+                return target  # cpp_extension loaded what it built
+    torch.ops.load_library(str(target / LIBRARY))
+    return target
+
+
+def _build(cxx: str, key: str, target: Path) -> None:
+    """Compile and link the extension in a folder of its own, load it, stamp it, rename it to `target`."""
     from torch.utils import cpp_extension  # imported only to build
 
     _put_ninja_on_path()
-
+    building = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         building.mkdir()
         cpp_extension.load(NAMESPACE, [str(path) for path in sources()], extra_cflags=list(COMPILE_FLAGS),
                            extra_ldflags=list(LINK_FLAGS), build_directory=str(building), is_python_module=False)
-        try:
-            building.rename(target)  # complete: later processes load it
-        except OSError:  # another process put its build there first; ours is loaded all the same
-            pass
+        cache.write_stamp(building, LIBRARY, key, cxx)
+        building.rename(target)  # complete: later processes load it
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         raise RuntimeError(f"{cxx} could not build the kernels ({SOURCE_DIR.name}/): {_first_error(error)}") from error
     finally:
         shutil.rmtree(building, ignore_errors=True)
-    return target
 
 
 def _openmp_runtimes() -> set[str]:

@@ -130,7 +130,7 @@ class _GroupRun:
 
     def read_probe(self) -> GemvRead:
         first = self.request.members[0]
-        kernels = gemv_kernels(first.device, first.dtype)
+        kernels = gemv_kernels(first.device, first.dtype, any(point.matmul == "c" for point in self.request.members))
         kernel = self.request.roof_kernel if self.request.roof_kernel in kernels else kernels[-1]
         return GemvRead(kernel, PROBE_BYTES[first.device], self.device, self.dtype)
 

@@ -28,9 +28,11 @@ KERNELS = 5  # the budget is shared by: sum, matrix-vector, packed and C matrix-
 PROBE_N = 256  # the GEMM first timed at this size, to choose the largest size that fits its share
 
 
-def measure_within(request: tuple[str, str, float]) -> Calibration:
+def measure_within(request: tuple[str, str, float, bool]) -> Calibration:
     """The calibration kernels, within a wall-time budget (run it in a process of its own: it
-    allocates ~1.5 READ_BYTES). `request` is (device, dtype, budget in seconds)."""
+    allocates ~1.5 READ_BYTES). `request` is (device, dtype, budget in seconds, c_linear): with
+    c_linear false the C linear is left out (and its extension never loaded: a run of torch's kernels
+    only touches no kernel cache)."""
     import torch
 
     from harness.measure.device import device_name
@@ -38,7 +40,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
     from harness.model import cpu_gemv
     from harness.model.cpu_linear import onednn_supports
 
-    device_type, dtype_name, budget_s = request
+    device_type, dtype_name, budget_s, c_linear = request
     device, dtype = torch.device(device_type), getattr(torch, dtype_name)
     timer = StepTimer(device)
     best = _BestOf(timer, budget_s / KERNELS)
@@ -47,7 +49,7 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
     read_bytes = READ_BYTES[device_type]
     sum_bw = _reduction_rate(read_bytes, device, dtype, best.seconds)
     with_packed = device_type == "cpu" and onednn_supports(dtype_name)
-    with_c = device_type == "cpu" and dtype_name == "float32" and cpu_gemv.unavailable() is None
+    with_c = c_linear and device_type == "cpu" and dtype_name == "float32" and cpu_gemv.unavailable() is None
     gemv_bw, packed_bw, c_bw = _gemv_rates(read_bytes // 2, device, dtype, best.seconds, with_packed, with_c)
     read_repeats = list(best.repeats)
 
@@ -149,8 +151,9 @@ class GemvRead:
         self.run()
 
 
-def gemv_kernels(device_type: str, dtype_name: str) -> tuple[str, ...]:
-    """The matrix-vector kernels that run on this device and dtype."""
+def gemv_kernels(device_type: str, dtype_name: str, c_linear: bool) -> tuple[str, ...]:
+    """The matrix-vector kernels that run on this device and dtype; the C linear only where `c_linear`
+    (the points use it: matmul=c), so a run of torch's kernels never loads the C extension."""
     from harness.model import cpu_gemv
     from harness.model.cpu_linear import onednn_supports
 
@@ -158,7 +161,7 @@ def gemv_kernels(device_type: str, dtype_name: str) -> tuple[str, ...]:
     return tuple(kernel for kernel, runs in (
         ("aten", True),
         ("packed", on_cpu and onednn_supports(dtype_name)),
-        ("c", on_cpu and dtype_name == "float32" and cpu_gemv.unavailable() is None),
+        ("c", c_linear and on_cpu and dtype_name == "float32" and cpu_gemv.unavailable() is None),
     ) if runs)
 
 

@@ -61,25 +61,27 @@ def _exclusive(path: Path, label: str):
 
 
 def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
-           budget_s: float = DEFAULT_BUDGET_S) -> tuple[Calibration, bool]:
+           budget_s: float = DEFAULT_BUDGET_S, c_linear: bool = False) -> tuple[Calibration, bool]:
     """The calibration to judge points against: stored, or measured now via `run(measure_within, arg)`
     (the runner passes its process isolation) under the device's lock. Returns (record, measured_now).
-    With `force`, a record another process wrote while this one waited for the lock counts as fresh."""
+    With `force`, a record another process wrote while this one waited for the lock counts as fresh.
+    `c_linear`: the points run the C linear (matmul=c), so the roofs must include its read rate: a
+    stored record without it (made by a run of torch's linears only) is measured again."""
     if not force:
         stored = load(results_dir, device, dtype)
-        if stored is not None:
+        if stored is not None and covers(stored, c_linear):
             return stored, False
     label = f"{device}/{dtype}"
     asked = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with _exclusive(lock_path(results_dir, device, dtype), label):
         stored = load(results_dir, device, dtype)  # written by whoever held the lock before us?
-        if stored is not None and (not force or stored.timestamp >= asked):
+        if stored is not None and covers(stored, c_linear) and (not force or stored.timestamp >= asked):
             return stored, False
         path = record_path(results_dir, device, dtype)
         log.info(f"calibrating {label}: read bandwidth and matmul roofs, budget {budget_s:.0f} s "
                  f"(calibration_budget_s); the record goes to {path} and later runs reuse it")
         began = time.monotonic()
-        outcome = _least_contended(run, device, dtype, float(budget_s), label)
+        outcome = _least_contended(run, (device, dtype, float(budget_s), c_linear), label)
         log.info(f"calibration of {label} took {time.monotonic() - began:.1f} s")
         try:
             save(results_dir, outcome)
@@ -89,16 +91,22 @@ def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
     return outcome, True
 
 
+def covers(record: Calibration, c_linear: bool) -> bool:
+    """Whether a stored record holds every kernel the points read with: the C linear's rate where they
+    run it."""
+    return not c_linear or record.read_bandwidth_c_gemv_Bps is not None
+
+
 def is_contended(record: Calibration) -> bool:
     return record.contention is not None and record.contention > CONTENTION_LIMIT
 
 
-def _least_contended(run, device: str, dtype: str, budget_s: float, label: str) -> Calibration:
+def _least_contended(run, request: tuple[str, str, float, bool], label: str) -> Calibration:
     """Measure; while others took more than CONTENTION_LIMIT of the CPUs and the budget allows another
     attempt, wait and measure again. The least contended record, with a warning if it still is."""
-    began, best = time.monotonic(), None
+    began, best, budget_s = time.monotonic(), None, request[2]
     for attempt in range(1, ATTEMPTS + 1):
-        outcome = run(measure_within, (device, dtype, budget_s))
+        outcome = run(measure_within, request)
         if isinstance(outcome, dict):  # isolation reports a failure as a dict with a reason
             raise RuntimeError(f"calibration failed: {outcome.get('reason')}")
         if best is None or (outcome.contention or 0.0) < (best.contention or 0.0):

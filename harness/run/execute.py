@@ -56,14 +56,15 @@ CALIBRATIONS: dict = {}  # (results_dir, device, dtype) -> Calibration, once per
 STORED_CALIBRATION: dict = {}  # same key -> True while the record in use was stored by an earlier run
 
 
-def roofs_for(cfg, point, run):
+def roofs_for(cfg, point, run, c_linear: bool = False):
     """Stored roofs for the point's device and dtype, measured first if missing (or once per process
-    when calibrate=true). A failed calibration leaves the roofs null rather than stopping the sweep."""
+    when calibrate=true), with the C linear's read rate where the group runs it (`c_linear`). A failed
+    calibration leaves the roofs null rather than stopping the sweep."""
     key = (cfg.results_dir, point.device, point.dtype)
-    if key not in CALIBRATIONS:
+    if key not in CALIBRATIONS or (CALIBRATIONS[key] is not None and not calibrate.covers(CALIBRATIONS[key], c_linear)):
         try:
             record, measured_now = calibrate.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
-                                                      budget_s=cfg.calibration_budget_s)
+                                                      budget_s=cfg.calibration_budget_s, c_linear=c_linear)
         except RuntimeError as error:
             log.warning(f"{error}; rows of {point.device}/{point.dtype} get no roofs")
             record, measured_now = None, False
@@ -180,7 +181,7 @@ def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> None:
              if job.point.key in to_write or (could_be_reference(job.point) and job.does_not_fit is None)]
     first = timed[0]
     run = run_isolated if first.config.isolate else run_inline
-    roofs = roofs_for(first.config, first.point, run)
+    roofs = roofs_for(first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
     began = time.monotonic()
     request = GroupRequest(group.group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
     outcomes = run(measure_group, request)

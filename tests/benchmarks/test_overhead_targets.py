@@ -52,7 +52,7 @@ def preset(name: str) -> ModelConfig:
 
 @functools.cache
 def roof() -> analytic.Roof:
-    calibration = measure_within(("cpu", DTYPE_NAME, CALIBRATION_BUDGET_S))
+    calibration = measure_within(("cpu", DTYPE_NAME, CALIBRATION_BUDGET_S, MATMUL == "c"))
     return analytic.Roof(flops_per_s=calibration.matmul_flops, bytes_per_s=calibration.read_bandwidth_Bps)
 
 

@@ -108,20 +108,24 @@ static inline void key_scores(const float *q, const float *key, int64_t group, i
     }
 }
 
-/* acc[:] += sum_j p[j] * rows[j][:] over the n value rows of one block for one query row, 16 columns
- * at a time, so the partial sums stay in registers across the block instead of going through memory
- * for every row. */
-static inline void accumulate_values(const float *const *rows, int64_t n, const float *p, int64_t dim, float *acc) {
+/* acc[:] += sum_j p[j] * row_j[:] over the n value rows of one block for one query row, 16 columns at a
+ * time, so the partial sums stay in registers across the block instead of going through memory for
+ * every row. Row j is rows[j], or, where rows is NULL (a constant where it is inlined), first + j * stride. */
+static inline __attribute__((always_inline)) void accumulate_values(const float *const *rows, const float *first,
+                                                                    int64_t stride, int64_t n, const float *p,
+                                                                    int64_t dim, float *acc) {
     for (int64_t d0 = 0; d0 < dim; d0 += 16) {
         if (d0 + 16 > dim) { /* a head dimension that is not a multiple of 16: the tail row by row */
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t d = d0; d < dim; d++) acc[d] += p[j] * rows[j][d];
+            for (int64_t j = 0; j < n; j++) {
+                const float *row = rows ? rows[j] : first + j * stride;
+                for (int64_t d = d0; d < dim; d++) acc[d] += p[j] * row[d];
+            }
             break;
         }
         float a[16];
         for (int c = 0; c < 16; c++) a[c] = acc[d0 + c];
         for (int64_t j = 0; j < n; j++) {
-            const float *value = rows[j] + d0;
+            const float *value = (rows ? rows[j] : first + j * stride) + d0;
             float pj = p[j];
 #pragma omp simd
             for (int c = 0; c < 16; c++) a[c] += pj * value[c];

@@ -38,9 +38,8 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
     for (int64_t start = 0; start < length; start += SOFTMAX_BLOCK) {
         int64_t n = length - start < SOFTMAX_BLOCK ? length - start : SOFTMAX_BLOCK;
         int64_t ahead = length - start < RESOLVED ? length - start : RESOLVED; /* never past length */
-        if (contiguous)
-            for (int64_t j = 0; j < n; j++) values[0][j] = lane_rows->v + (start + j) * lane_rows->v_row;
-        else
+        const float *first_value = lane_rows->v + start * lane_rows->v_row; /* contiguous: row j is v_row further */
+        if (!contiguous)
             for (int64_t l = 0; l < lanes; l++) locate_run(&lane_rows[l], start, ahead, at, keys[l], values[l], numbers);
         for (int64_t j = 0; j < n; j++) {
             for (int64_t l = 0; l < lanes; l++) {
@@ -49,9 +48,10 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
                 const float *key = contiguous ? lane_rows->k + (start + j) * lane_rows->k_row : keys[l][j];
                 const float *next_key = contiguous ? key + GENERIC_PREFETCH_ROWS * lane_rows->k_row
                                         : j + GENERIC_PREFETCH_ROWS < ahead ? keys[l][j + GENERIC_PREFETCH_ROWS] : key;
+                const float *value = contiguous ? first_value + j * lane_rows->v_row : values[l][j];
                 for (int64_t line = 0; line < dim; line += 16) {
                     __builtin_prefetch(next_key + line);
-                    __builtin_prefetch(values[l][j] + line);
+                    __builtin_prefetch(value + line);
                 }
                 key_scores(q + l * group * dim, key, group, dim, scale, p + l * group, j);
             }
@@ -62,7 +62,8 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = visible - start < 0 ? 0 : visible - start; j < n; j++) p[r][j] = MASKED;
         softmax_rows(p, n, rows, dim, running_max, running_sum, acc, masked ? weight_mask : NULL);
-        for (int64_t r = 0; r < rows; r++) accumulate_values(values[r / group], n, p[r], dim, acc[r]);
+        for (int64_t r = 0; r < rows; r++)
+            accumulate_values(contiguous ? NULL : values[r / group], first_value, lane_rows->v_row, n, p[r], dim, acc[r]);
     }
     finish_rows(running_sum, acc, rows, dim, out);
 }

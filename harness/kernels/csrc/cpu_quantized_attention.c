@@ -465,11 +465,12 @@ static void attend_vector(const float *q, const Task *task, const Call *call, fl
 }
 #endif
 
-/* p[g][j] = the weight of fp32 key row j (a dequantized tile's, or the window's) for query g, j < n: the
- * G scores of each row, then their online softmax, the accumulators rescaled (attention_blocks.h). */
-static void weigh_rows(const float *q, const float *const *key_rows, int64_t n, const Call *call,
+/* p[g][j] = the weight of fp32 key row j (first + j * stride: a dequantized tile's, or the window's) for
+ * query g, j < n: the G scores of each row, then their online softmax, the accumulators rescaled
+ * (attention_blocks.h). */
+static void weigh_rows(const float *q, const float *first, int64_t stride, int64_t n, const Call *call,
                        float p[][SOFTMAX_BLOCK], float *running_max, float *running_sum, float acc[][MAX_DIM]) {
-    for (int64_t j = 0; j < n; j++) key_scores(q, key_rows[j], call->group, call->dim, call->scale, p, j);
+    for (int64_t j = 0; j < n; j++) key_scores(q, first + j * stride, call->group, call->dim, call->scale, p, j);
     softmax_rows(p, n, call->group, call->dim, running_max, running_sum, acc, NULL);
 }
 
@@ -479,26 +480,21 @@ static void attend_tiles(const float *q, const Task *task, const Call *call, flo
     const int64_t group = call->group, dim = call->dim, window_row = call->window_row;
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK], acc[MAX_GROUP][MAX_DIM];
     float tile[TILE_ROWS * MAX_DIM]; /* one block of K, then of V, dequantized */
-    const float *tile_rows[TILE_ROWS], *key_rows[TILE_ROWS], *value_rows[TILE_ROWS];
-    for (int64_t j = 0; j < TILE_ROWS; j++) tile_rows[j] = tile + j * dim;
     start_rows(running_max, running_sum, acc, group, dim);
     for (int64_t start = 0; start < call->quantized_length; start += TILE_ROWS) {
         int64_t n = call->quantized_length - start < TILE_ROWS ? call->quantized_length - start : TILE_ROWS;
         prefetch_rows(task->keys, start + QUANTIZED_PREFETCH_ROWS, TILE_ROWS, call->key_block);
         prefetch_rows(task->values, start + QUANTIZED_PREFETCH_ROWS, TILE_ROWS, 0);
         dequantize_block(call->format, task->keys, start, n, dim, call->span, call->key_block, tile);
-        weigh_rows(q, tile_rows, n, call, p, running_max, running_sum, acc);
+        weigh_rows(q, tile, dim, n, call, p, running_max, running_sum, acc);
         dequantize_block(call->format, task->values, start, n, dim, call->span, 0, tile);
-        for (int64_t g = 0; g < group; g++) accumulate_values(tile_rows, n, p[g], dim, acc[g]);
+        for (int64_t g = 0; g < group; g++) accumulate_values(NULL, tile, dim, n, p[g], dim, acc[g]);
     }
     for (int64_t start = 0; start < call->window_length; start += TILE_ROWS) {
         int64_t n = call->window_length - start < TILE_ROWS ? call->window_length - start : TILE_ROWS;
-        for (int64_t j = 0; j < n; j++) {
-            key_rows[j] = task->k_window + (start + j) * window_row;
-            value_rows[j] = task->v_window + (start + j) * window_row;
-        }
-        weigh_rows(q, key_rows, n, call, p, running_max, running_sum, acc);
-        for (int64_t g = 0; g < group; g++) accumulate_values(value_rows, n, p[g], dim, acc[g]);
+        const float *k_rows = task->k_window + start * window_row, *v_rows = task->v_window + start * window_row;
+        weigh_rows(q, k_rows, window_row, n, call, p, running_max, running_sum, acc);
+        for (int64_t g = 0; g < group; g++) accumulate_values(NULL, v_rows, window_row, n, p[g], dim, acc[g]);
     }
     finish_rows(running_sum, acc, group, dim, out);
 }
