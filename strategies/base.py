@@ -17,10 +17,7 @@ import torch
 
 from harness.config import CONTIGUOUS, CacheLayout, ConfigError, ModelConfig
 from harness.model.random_fill import uniform_like_normal_
-
-
-class StrategyUnavailable(Exception):
-    """This strategy cannot run on this device/dtype/installation. The message is the reason."""
+from strategies.backends import Backend, StrategyUnavailable, choose
 
 
 class StrategyOptionError(ConfigError):
@@ -122,7 +119,9 @@ class Strategy(ABC):
     reference: ClassVar[bool] = False  # the recompute-everything strategy every other one is compared with
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types it can run on
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")  # compute dtypes it can run in
-    backends: ClassVar[tuple[str, ...]] = ()  # kernel families `strategy.backend` may name besides auto
+    # Its attention kernels, in preference order, each with what it needs (strategies.backends): what
+    # `strategy.backend` may name besides auto, and what `auto` picks from. Empty: one kernel, no choice.
+    backends: ClassVar[tuple[Backend, ...]] = ()
     graph_capturable: ClassVar[bool] = True  # a decode step can be captured in a CUDA graph and replayed
     # A decode step traces into one torch.compile graph (fullgraph) whose shapes do not change with the
     # position: its kernels are torch ops or registered custom ops (an opaque foreign call is neither). Opt-in:
@@ -130,9 +129,19 @@ class Strategy(ABC):
     compilable: ClassVar[bool] = False
 
     def __init__(self, backend: str = "auto"):
-        if backend not in ("auto", *self.backends):
-            raise StrategyOptionError("backend", f"unknown value {backend!r}, allowed: {', '.join(('auto', *self.backends))}")
-        self.backend = backend
+        allowed = ("auto", *self.backend_names())
+        if backend not in allowed:
+            raise StrategyOptionError("backend", f"unknown value {backend!r}, allowed: {', '.join(allowed)}")
+        self.backend = backend  # auto, or the backend a point runs (the plan resolves auto: strategies.backends)
+
+    @classmethod
+    def backend_names(cls) -> tuple[str, ...]:
+        return tuple(backend.name for backend in cls.backends)
+
+    @classmethod
+    def declared(cls, name: str) -> Backend:
+        """The backend of that name."""
+        return next(backend for backend in cls.backends if backend.name == name)
 
     def options(self) -> dict:
         """The options besides `backend` this instance was built with (recorded in the point's key)."""
@@ -160,19 +169,31 @@ class Strategy(ABC):
         return None
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
-        """The kernel family `auto` picks for this device, dtype and shape; strategies with one keep it.
-        Raises StrategyUnavailable where the strategy or the configured backend cannot run."""
-        reason = self.unavailable(device, dtype)
-        if reason is not None:
-            raise StrategyUnavailable(reason)
-        return self.backend
+        """The backend a point on this device and dtype (and model shape) runs: the plan's one call of
+        strategies.backends.choose (a strategy without backends keeps `auto`). Raises
+        StrategyUnavailable where the strategy or the backend asked for cannot run."""
+        if not self.backends:
+            reason = self.unavailable(device, dtype)
+            if reason is not None:
+                raise StrategyUnavailable(reason)
+            return self.backend
+        return choose(self, device, dtype, shape).name
 
-    @abstractmethod
     def kernel(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
-        """Name of the attention kernel a session on this device/dtype (and model shape, where the
-        choice depends on it) will run: recorded in the row's `kernel` column, so it must name what
-        actually runs. Raises StrategyUnavailable with the reason when the strategy cannot run here.
-        """
+        """Name of the attention kernel a session on this device/dtype (and model shape) will run: its
+        backend's (the one named, or auto's choice), recorded in the row's `kernel` column. A member
+        calls it in the process that runs the point, so a named backend's needs are checked where it
+        runs (a compiled kernel is loaded there). Raises StrategyUnavailable with the reason when the
+        strategy cannot run here. A strategy without backends names its one kernel itself."""
+        return choose(self, device, dtype, shape).kernel.format_map(self.options())
+
+    def session_backend(self, model) -> Backend:
+        """The backend a session runs: the one this strategy names (a planned point's: the plan chose it,
+        and a session never chooses again), or, built with `auto` outside a plan, the choice for the
+        model's device, dtype and shape."""
+        if self.backend != "auto":
+            return self.declared(self.backend)
+        return choose(self, model.device, model.dtype, model.cfg)
 
     @abstractmethod
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:

@@ -3,12 +3,12 @@
 The table is allocated once for the longest sequence a session will reach, so no step allocates or
 copies it; a step writes one position and attends over the filled prefix [0, length).
 
-Attention kernels (`strategy.backend`):
-- `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
+Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what each needs):
 - `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
-  the cache faster than SDPA's CPU kernel (scripts/attention_ab.py); the prompt still goes through SDPA. Where the
-  kernel cannot run, the point is skipped with the reason.
-- `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
+  the cache faster than SDPA's CPU kernel (scripts/attention_ab.py); the prompt still goes through SDPA.
+  Where the kernel cannot run, the point is skipped with the reason.
+- `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
+- `auto` (default): `c` where it can run, else `sdpa` (strategies.backends). Rows name the kernel that ran.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import torch
 from strategies import cpu_kernel
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
-from strategies.base import CachedSession, Strategy, StrategyUnavailable
+from strategies.backends import Backend
+from strategies.base import CachedSession, Strategy
 
-BACKENDS = ("sdpa", "c")
 C_KERNEL = f"{cpu_kernel.KERNEL_NAME} for decode steps, {SDPA_KERNEL} for the prompt"
+BACKENDS = (Backend("c", C_KERNEL, compiled=cpu_kernel.CONTIGUOUS_KERNEL), Backend("sdpa", SDPA_KERNEL))
 
 
 class ContiguousLayerCache:
@@ -54,39 +55,14 @@ class ContiguousLayerCache:
         return grouped_attention(q, self.k[:, :, :end], self.v[:, :, :end], q_offset=start_pos)
 
 
-def resolve_c_or_sdpa(backend: str, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-    """The kernel `backend` (auto, c or sdpa) resolves to where the C kernel is the first choice: `c`
-    where cpu_decode_attention.c runs for this device, dtype and shape, else `sdpa` for auto, and
-    StrategyUnavailable with the reason for a `c` asked for by name."""
-    if backend == "sdpa":
-        return "sdpa"
-    reason = cpu_kernel.unavailable(device, dtype)
-    if reason is None and shape is not None:
-        reason = cpu_kernel.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
-    if reason is None:
-        return "c"
-    if backend == "c":
-        raise StrategyUnavailable(reason)
-    return "sdpa"
-
-
 class ContiguousStrategy(Strategy):
     name = "contiguous"
     backends = BACKENDS
     compilable = True  # the C kernel is a torch operator, which a compiled graph calls (strategies.cpu_kernel)
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-        """`c` or `sdpa` for this device, dtype and model shape (None: any shape the kernel takes)."""
-        super().resolve_backend(device, dtype, shape)
-        return resolve_c_or_sdpa(self.backend, device, dtype, shape)
-
-    def kernel(self, device, dtype, shape=None) -> str:
-        return C_KERNEL if self.resolve_backend(device, dtype, shape) == "c" else SDPA_KERNEL
-
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
-        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
-        decode_kernel = cpu_kernel.attend_heads if use_c else None
+        decode_kernel = cpu_kernel.attend_heads if self.session_backend(model).name == "c" else None
         caches = [
             ContiguousLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
                                  decode_kernel)

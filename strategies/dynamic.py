@@ -98,8 +98,7 @@ class DynamicStrategy(ContiguousStrategy):
 
     def new_session(self, model, batch: int, max_len: int) -> DynamicSession:
         c = model.cfg
-        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
-        decode_kernel = cpu_kernel.attend_heads if use_c else None
+        decode_kernel = cpu_kernel.attend_heads if self.session_backend(model).name == "c" else None
         caches = [DynamicLayerCache(batch, c.n_kv_heads, c.resolved_head_dim, model.device, model.dtype, decode_kernel)
                   for _ in range(c.n_layers)]
         return DynamicSession(model, caches, max_len)

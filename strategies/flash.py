@@ -1,26 +1,24 @@
 """`flash`: FlashAttention over a preallocated cache. CUDA and fp16/bf16 only.
 
-Two backends, chosen with `strategy.backend`:
-- `flash_attn`: `flash_attn.flash_attn_with_kvcache`. Cache layout [B, S, n_kv, D]; the kernel appends
-  the new K/V at `cache_seqlens` in place and attends in the same launch. GQA is native.
+Two backends, chosen with `strategy.backend` (BACKENDS, in preference order, says what each needs):
+- `flash_attn`: `flash_attn.flash_attn_with_kvcache` (the flash_attn package). Cache layout
+  [B, S, n_kv, D]; the kernel appends the new K/V at `cache_seqlens` in place and attends in the same
+  launch. GQA is native.
 - `torch`: PyTorch's bundled FlashAttention through SDPA with every other backend disabled, so the
-  call fails rather than silently running another kernel. Cache layout [B, n_kv, S, D].
-`auto` takes the first that can run. Where neither can (any CPU), the strategy is unavailable and the
-runner records the point as skipped with the reason; it never substitutes another kernel.
+  call fails rather than silently running another kernel (a torch build with it, compute capability
+  8.0 or more). Cache layout [B, n_kv, S, D].
+`auto` takes the first that can run (strategies.backends). Where neither can (any CPU), the strategy is
+unavailable and the runner records the point as skipped with the reason; it never substitutes
+another kernel.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from strategies.base import CachedSession, Strategy, StrategyUnavailable
+from strategies.backends import Backend
+from strategies.base import CachedSession, Strategy
 from strategies.contiguous import ContiguousLayerCache
-
-BACKENDS = ("flash_attn", "torch")
-KERNELS = {
-    "flash_attn": "flash_attn.flash_attn_with_kvcache",
-    "torch": "torch.sdpa[FLASH_ATTENTION]",
-}
 
 
 class FlashAttnLayerCache:
@@ -73,24 +71,19 @@ class TorchFlashLayerCache(ContiguousLayerCache):
         return out.transpose(1, 2)
 
 
-LAYER_CACHES = {"flash_attn": FlashAttnLayerCache, "torch": TorchFlashLayerCache}
-
-
-def backend_unavailable(backend: str, device: torch.device) -> str | None:
-    """Why `backend` cannot run on `device`, or None when it can."""
-    if backend == "flash_attn":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError as error:
-            return f"flash_attn is not importable ({error}); install the extra: pip install -e '.[flash]'"
-        return None
-    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-    if not available:
+def torch_flash_unavailable(strategy: Strategy, device: torch.device) -> str | None:
+    """Why torch's bundled FlashAttention cannot run on `device` (a CUDA device), or None."""
+    if not getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)():
         return "this torch build has no FlashAttention SDPA kernel"
     major, _ = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"torch's FlashAttention needs compute capability >= 8.0, device has {major}.x"
     return None
+
+
+BACKENDS = (Backend("flash_attn", "flash_attn.flash_attn_with_kvcache", package="flash_attn", extra="flash"),
+            Backend("torch", "torch.sdpa[FLASH_ATTENTION]", condition=torch_flash_unavailable))
+LAYER_CACHES = {"flash_attn": FlashAttnLayerCache, "torch": TorchFlashLayerCache}
 
 
 class FlashStrategy(Strategy):
@@ -99,22 +92,8 @@ class FlashStrategy(Strategy):
     dtypes = ("bfloat16", "float16")  # and for the half-precision types only
     backends = BACKENDS
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-        super().resolve_backend(device, dtype, shape)
-        candidates = BACKENDS if self.backend == "auto" else (self.backend,)
-        reasons = []
-        for backend in candidates:
-            reason = backend_unavailable(backend, device)
-            if reason is None:
-                return backend
-            reasons.append(f"{backend}: {reason}")
-        raise StrategyUnavailable("; ".join(reasons))
-
-    def kernel(self, device, dtype, shape=None) -> str:
-        return KERNELS[self.resolve_backend(device, dtype)]
-
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
-        layer_cache = LAYER_CACHES[self.resolve_backend(model.device, model.dtype)]
+        layer_cache = LAYER_CACHES[self.session_backend(model).name]
         c = model.cfg
         caches = [
             layer_cache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype)

@@ -32,7 +32,7 @@ Allocation, decided here:
   (warm-up repeats the first decode step), as its cache entries are overwritten. Nothing is returned
   to the free list before the session ends.
 
-Attention kernels (`strategy.backend`):
+Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what each needs):
 - `c`: decode steps through `cpu_paged_attention.c` (CPU, fp32), which reads each sequence's blocks in
   place through the table; the prompt goes through gather + SDPA.
 - `torch`: any device: the sequence's blocks are gathered into a contiguous [n_kv, B, L, D] copy
@@ -42,7 +42,8 @@ Attention kernels (`strategy.backend`):
   flash_attn package): appends the new K/V into the blocks and attends in one launch. FlashAttention 2
   takes paged caches only with block_size a multiple of 256, refused otherwise.
 - `auto` (default): `c` where it can run (CPU, fp32, the kernel builds), else `flash_attn` where it
-  can run (and block_size is a multiple of 256), else `torch`. Rows name the kernel that ran.
+  can run (and block_size is a multiple of 256), else `torch` (strategies.backends). Rows name the
+  kernel that ran.
 """
 from __future__ import annotations
 
@@ -55,29 +56,31 @@ from harness.kernels.extension import Kernel, ops
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
-from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
-from strategies.flash import backend_unavailable as flash_attn_unavailable
+from strategies.backends import Backend
+from strategies.base import CachedSession, Strategy, StrategyOptionError
 
-BACKENDS = ("c", "torch", "flash_attn")
 BLOCK_ORDER_SEED = 0x9A6ED  # seeds the free list's shuffle: fixed, so every run lays blocks out alike
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV needs page_block_size % 256 == 0
 FILL_CHUNK_ELEMENTS = 4 * PIECE_ELEMENTS  # fill_random's staging buffer: 64 MB of fp32 at most
 
 PAGED_KERNEL = Kernel("cpu_paged_attention.c")  # torch.ops.harness_kernels.paged_decode_attention
 GATHER_KERNEL = f"gather + {SDPA_KERNEL}"
-KERNELS = {
-    "c": f"{PAGED_KERNEL.name} for decode steps, {GATHER_KERNEL} for the prompt",
-    "torch": GATHER_KERNEL,
-    "flash_attn": "flash_attn.flash_attn_with_kvcache(block_table)",
-}
 
 
-def c_kernel_unavailable(device: torch.device, dtype: torch.dtype, shape=None) -> str | None:
-    """Why cpu_paged_attention.c cannot serve this device, dtype and model shape (None: any), or None."""
-    reason = PAGED_KERNEL.unavailable(device, dtype)
-    if reason is None and shape is not None:
-        reason = PAGED_KERNEL.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
-    return reason
+def flash_attn_block_unmet(block_size: int) -> str | None:
+    """Why flash_attn cannot page blocks of `block_size` tokens, or None."""
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        return f"flash_attn's paged KV (FlashAttention 2) needs a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}"
+    return None
+
+
+BACKENDS = (
+    Backend("c", f"{PAGED_KERNEL.name} for decode steps, {GATHER_KERNEL} for the prompt", compiled=PAGED_KERNEL),
+    Backend("flash_attn", "flash_attn.flash_attn_with_kvcache(block_table)", devices=("cuda",),
+            dtypes=("bfloat16", "float16"), package="flash_attn", extra="flash",
+            condition=lambda strategy, device: flash_attn_block_unmet(strategy.block_size)),
+    Backend("torch", GATHER_KERNEL),
+)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
@@ -87,7 +90,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     columns are read) -> [B, n_kv, G, D].
 
     Softmax(q k^T / sqrt(D)) v over each sequence's positions 0..length-1, read through the table; the
-    caller has checked `c_kernel_unavailable`. The operator checks its tensors (shapes, dtypes, that the
+    caller has chosen the `c` backend, whose needs include the kernel's. The operator checks its tensors (shapes, dtypes, that the
     table can hold `length`) and raises with what is wrong.
     """
     return ops().paged_decode_attention(q, k_pool, v_pool, block_table, length)  # checks its tensors
@@ -242,10 +245,8 @@ class PagedStrategy(Strategy):
         super().__init__(backend)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise StrategyOptionError("block_size", f"must be a positive integer (tokens per block), got {block_size!r}")
-        if backend == "flash_attn" and block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-            raise StrategyOptionError(
-                "block_size", f"flash_attn's paged KV (FlashAttention 2) needs a multiple of "
-                f"{FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}; use backend=torch or auto for other sizes")
+        if backend == "flash_attn" and (reason := flash_attn_block_unmet(block_size)) is not None:
+            raise StrategyOptionError("block_size", f"{reason}; use backend=torch or auto for other sizes")
         self.block_size = block_size
 
     def options(self) -> dict:
@@ -254,40 +255,9 @@ class PagedStrategy(Strategy):
     def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(block_size=self.block_size)
 
-    def _flash_attn_unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cuda":
-            return f"flash_attn is a CUDA kernel; this point runs on {device.type}"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash_attn runs in float16 and bfloat16; dtype is {str(dtype).removeprefix('torch.')}"
-        if self.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-            return f"flash_attn's paged KV needs block_size a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}, got {self.block_size}"
-        return flash_attn_unavailable("flash_attn", device)
-
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-        """`c`, `flash_attn` or `torch` for this device, dtype and model shape (None: any the kernels take)."""
-        super().resolve_backend(device, dtype, shape)
-        if self.backend == "torch":
-            return "torch"
-        c_reason = c_kernel_unavailable(device, dtype, shape) if self.backend in ("auto", "c") else None
-        if self.backend == "c":
-            if c_reason is not None:
-                raise StrategyUnavailable(c_reason)
-            return "c"
-        flash_reason = self._flash_attn_unavailable(device, dtype)
-        if self.backend == "flash_attn":
-            if flash_reason is not None:
-                raise StrategyUnavailable(flash_reason)
-            return "flash_attn"
-        if c_reason is None:
-            return "c"
-        return "flash_attn" if flash_reason is None else "torch"
-
-    def kernel(self, device, dtype, shape=None) -> str:
-        return KERNELS[self.resolve_backend(device, dtype, shape)]
-
     def new_session(self, model, batch: int, max_len: int) -> PagedSession:
         c = model.cfg
-        backend = self.resolve_backend(model.device, model.dtype, c)
+        backend = self.session_backend(model).name
         blocks = BlockTable(batch, max_len, self.block_size, model.device)
         caches = [PagedLayerCache(blocks, c.n_kv_heads, c.resolved_head_dim, model.device, model.dtype, backend)
                   for _ in range(c.n_layers)]

@@ -23,14 +23,14 @@ transformers' QuantizedCache does) and to earlier tokens as stored; its K/V are 
 the tables (all but the window part). Decode steps (what is measured) read only what is stored,
 including the new token's quantized K/V when residual is 0.
 
-Attention kernels (`strategy.backend`):
+Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what each needs):
 - `c` (CPU, fp32): cpu_quantized_attention.c decodes the codes inside the kernel (a step reads the
   quantized bytes, never a dequantized copy) and reads the window's fp32 rows in the same call (one
   online softmax over both segments). All formats and both key axes. Its quantize_rows also quantizes
   what a step writes to token-axis tables (bit-exact with quantization.quantize_per_token).
 - `torch` (any device, dtype): dequantize the filled prefix to the compute dtype, append the window,
   SDPA (strategies.attention).
-- `auto` (default): `c` where it can run, else `torch`. Rows name the kernel that ran.
+- `auto` (default): `c` where it can run, else `torch` (strategies.backends). Rows name the kernel that ran.
 """
 from __future__ import annotations
 
@@ -42,13 +42,16 @@ from harness.model.random_fill import uniform_like_normal_
 from strategies import quantization
 from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.attention import grouped_attention
-from strategies.base import CachedSession, Strategy, StrategyOptionError, StrategyUnavailable
+from strategies.backends import Backend
+from strategies.base import CachedSession, Strategy, StrategyOptionError
 from strategies.quantization import FORMATS, KEY_AXES, QuantSpec
 
-BACKENDS = ("torch", "c")
 QUANTIZED_KERNEL = Kernel("cpu_quantized_attention.c")  # torch.ops.harness_kernels.quantized_decode_attention
 FP8_NAN_CODE = 0x7F  # e4m3fn's NaN (with either sign); random payloads must avoid it
-
+# The kernels' names carry the payload format ({format}: the strategy's option).
+BACKENDS = (Backend("c", f"{QUANTIZED_KERNEL.name}, {{format}} dequantized in-kernel, for decode steps; "
+                         f"{SDPA_KERNEL} for the prompt", compiled=QUANTIZED_KERNEL),
+            Backend("torch", f"torch dequantize ({{format}}) + {SDPA_KERNEL}"))
 
 
 def format_code(fmt: str) -> int:
@@ -283,31 +286,10 @@ class QuantizedStrategy(Strategy):
         super().check_point(prefill, shape, max_len)
         self._check_shape(shape)
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape: ModelConfig | None = None) -> str:
-        """`c` or `torch` for this device, dtype and model shape (None: any shape the kernel takes)."""
-        super().resolve_backend(device, dtype, shape)
-        if self.backend == "torch":
-            return "torch"
-        reason = QUANTIZED_KERNEL.unavailable(device, dtype)
-        if reason is None and shape is not None:
-            reason = QUANTIZED_KERNEL.shape_unsupported(shape.n_heads // shape.n_kv_heads, shape.resolved_head_dim)
-        if reason is None:
-            return "c"
-        if self.backend == "c":
-            raise StrategyUnavailable(reason)
-        return "torch"
-
-    def kernel(self, device, dtype, shape=None) -> str:
-        fmt = self.spec.format
-        if self.resolve_backend(device, dtype, shape) == "c":
-            return (f"{QUANTIZED_KERNEL.name}, {fmt} dequantized in-kernel, for decode steps; "
-                    f"{SDPA_KERNEL} for the prompt")
-        return f"torch dequantize ({fmt}) + {SDPA_KERNEL}"
-
     def new_session(self, model, batch: int, max_len: int) -> QuantizedSession:
         c = model.cfg
         self._check_shape(c)
-        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
+        use_c = self.session_backend(model).name == "c"
         caches = [
             QuantizedLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
                                 self.spec, use_c)

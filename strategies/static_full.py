@@ -20,7 +20,7 @@ Attention kernels (`strategy.backend`), both over all max_len positions:
   all max_len rows and give the unwritten ones weight exactly 0, so the step reads what SDPA's does at
   the rate the contiguous cache's reads run; the prompt still goes through SDPA with the mask. Where
   the kernel cannot run, the point is skipped with the reason.
-- `auto` (default): `c` where it can run, else `sdpa`. Rows name the kernel that ran.
+- `auto` (default): `c` where it can run, else `sdpa` (strategies.backends). Rows name the kernel that ran.
 """
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ import torch.nn.functional as F
 
 from harness.config import CacheLayout
 from strategies import cpu_kernel
+from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
-from strategies.contiguous import ContiguousLayerCache, resolve_c_or_sdpa
+from strategies.contiguous import ContiguousLayerCache
 
 KERNEL_NAME = "torch.sdpa(grouped q, no K/V repeat) over all max_len positions with a boolean mask"
 C_KERNEL = (f"{cpu_kernel.KERNEL_NAME} over all max_len positions, unwritten ones weighted 0, for decode "
             f"steps; {KERNEL_NAME} for the prompt")
+BACKENDS = (Backend("c", C_KERNEL, compiled=cpu_kernel.CONTIGUOUS_KERNEL), Backend("sdpa", KERNEL_NAME))
 
 
 class FullLengthMask:
@@ -95,7 +97,7 @@ class StaticFullLayerCache(ContiguousLayerCache):
 
 class StaticFullStrategy(Strategy):
     name = "static_full"
-    backends = ("sdpa", "c")
+    backends = BACKENDS
     # Fixed shapes are the layout's reason to exist: one graph for every position. The C kernel is the
     # operator harness_kernels::decode_attention, eager and compiled alike (strategies.cpu_kernel).
     compilable = True
@@ -117,19 +119,11 @@ class StaticFullStrategy(Strategy):
         if self.max_len is not None and self.max_len < max_len:
             raise StrategyOptionError("max_len", f"{self.max_len} cannot hold the point's ctx + decode_tokens = {max_len}")
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype, shape=None) -> str:
-        """`c` or `sdpa` for this device, dtype and model shape, as `contiguous` resolves them."""
-        super().resolve_backend(device, dtype, shape)
-        return resolve_c_or_sdpa(self.backend, device, dtype, shape)
-
-    def kernel(self, device, dtype, shape=None) -> str:
-        return C_KERNEL if self.resolve_backend(device, dtype, shape) == "c" else KERNEL_NAME
-
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg
         max_len = max(max_len, self.max_len or 0)  # the table StaticCache would allocate (max_cache_len)
         mask = FullLengthMask(max_len, model.device)
-        use_c = self.resolve_backend(model.device, model.dtype, c) == "c"
+        use_c = self.session_backend(model).name == "c"
         caches = [StaticFullLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
                                        mask, attend_whole_table if use_c else None)
                   for _ in range(c.n_layers)]

@@ -26,7 +26,7 @@ from strategies.static_full import StaticFullStrategy
 from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate, same_at_thread_counts
 
 CPU = torch.device("cpu")
-C_KERNEL_REASON = paged.c_kernel_unavailable(CPU, torch.float32)
+C_KERNEL_REASON = paged.PAGED_KERNEL.unavailable(CPU, torch.float32)
 needs_c_kernel = pytest.mark.skipif(C_KERNEL_REASON is not None, reason=f"the paged C kernel cannot run: {C_KERNEL_REASON}")
 
 SHAPES = {  # as tests/test_exactness.py: shape, batch, prompt tokens, new tokens
@@ -294,7 +294,7 @@ def test_bad_block_sizes_are_refused(block_size):
 def test_flash_attn_refuses_a_block_size_fa2_cannot_page():
     with pytest.raises(StrategyOptionError, match="strategy.block_size.*256"):
         PagedStrategy(backend="flash_attn", block_size=16)
-    with pytest.raises(StrategyUnavailable, match="CUDA"):  # 256 is accepted, and skipped on a CPU
+    with pytest.raises(StrategyUnavailable, match="runs on cuda"):  # 256 is accepted, and skipped on a CPU
         PagedStrategy(backend="flash_attn", block_size=256).kernel(CPU, torch.float32)
 
 

@@ -84,7 +84,7 @@ def _reference_candidates() -> tuple[tuple[type, str], ...]:
 
     found = []
     for cls in strategy_catalog().values():
-        backend = next((b for b in cls.backends if b in TORCH_BACKENDS), None)
+        backend = next((b for b in cls.backend_names() if b in TORCH_BACKENDS), None)
         if cls.exact and cls.caches_kv and not cls.reference and backend is not None:
             found.append((cls, backend))
     return tuple(found)
