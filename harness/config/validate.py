@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config.texts import is_builtin_text
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_MODES = ("compute", "random")
@@ -27,6 +29,7 @@ SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
+ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -227,6 +230,12 @@ def validate_timing(timing) -> None:
     positive_int("timing.max_passes", timing.max_passes, at_most=1000)
 
 
+def validate_accuracy(accuracy) -> None:
+    positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
+    positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
+    positive_int("accuracy.batch", accuracy.batch, at_most=4096)
+
+
 def _plain(cfg) -> Any:
     """A composed config as plain containers, interpolations resolved (omegaconf imported only here)."""
     if isinstance(cfg, (dict, list)):
@@ -269,9 +278,10 @@ def validate_run(cfg, cuda_available) -> None:
         raise ConfigError("hugepages", "needs isolate=true: torch reads THP_MEM_ALLOC_ENABLE at a process's first "
                                        "allocation, which this process has long made")
     validate_timing(cfg.timing)
+    validate_accuracy(cfg.accuracy)
     if cfg.model.get("checkpoint") is not None:  # its contents: harness.run.inputs, as the point resolves
         input_folder("model.checkpoint", cfg.model.checkpoint)
-    if cfg.get("prompt") is not None:
+    if cfg.get("prompt") is not None and not is_builtin_text(cfg.prompt):
         input_file("prompt", cfg.prompt)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
     strategy = cfg.strategy

@@ -7,8 +7,9 @@ approximate one is judged against. Resolved once per point while the sweep is pl
   folder's name unless it was set to a name no preset under conf/model/ has. A checkpoint whose
   weights, in the point's dtype, exceed the CPU's free memory is refused (on CUDA the point's own
   process finds its free memory and skips a point that does not fit, as for random weights).
-- Prompt: with `prompt=PATH` the file is read and cut into the point's windows now
-  (harness.measure.prompts), so a file too short or ids outside the vocabulary are refused now.
+- Prompt: with `prompt=PATH` (or a built-in text, harness.config.texts) the text is read and cut into
+  the point's windows now, the accuracy pass's too for an approximate strategy (harness.measure.
+  prompts), so a text too short or ids outside the vocabulary are refused now.
 - Reference: the first strategy of the catalog that declares itself exact, caches K/V and stores
   them in the plain contiguous layout, on a backend made of torch's own operators.
 """
@@ -21,7 +22,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from harness.config import CONTIGUOUS, ConfigError, ModelConfig, StrategyChoice
+from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
 from harness.config.paths import config_dir
 
 TORCH_BACKENDS = ("sdpa", "torch")  # kernel families of torch's own operators: any device, any dtype
@@ -59,22 +60,31 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
     return shape, checkpoint.content_hash
 
 
-def prompt_source(path: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int) -> str:
-    """The prompt file's content hash, once the file is known to give the point its windows;
-    ConfigError on `prompt` otherwise."""
-    from harness.measure.prompts import PromptError, content_hash, read_tokens, tokenizer_of, window_tokens, windows
+def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int,
+                  accuracy: Optional[AccuracyConfig]) -> str:
+    """The content hash of the prompt file or built-in text, once it is known to give the point its
+    windows: the timed run's, and with `accuracy` (an approximate strategy's pass) the accuracy pass's;
+    ConfigError on `prompt` or `accuracy.tokens` otherwise."""
+    from harness.measure.prompts import (PromptError, accuracy_windows, content_hash, read_tokens, tokenizer_of,
+                                         window_tokens, windows)
 
     if prefill != "compute":
         raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
     tokenizer = tokenizer_of(shape.checkpoint)
     try:
-        ids = read_tokens(path, tokenizer)
-        windows(ids, batch, window_tokens(ctx, decode_tokens), shape.vocab_size, f"'{path}'")
-        return content_hash(Path(path).expanduser().resolve(), tokenizer)
+        ids = read_tokens(source, tokenizer)
+        windows(ids, batch, window_tokens(ctx, decode_tokens), shape.vocab_size, f"'{source}'")
+        found = content_hash(source, tokenizer)
     except PromptError as error:
         raise ConfigError("prompt", str(error)) from None
     except OSError as error:
-        raise ConfigError("prompt", f"cannot read '{path}': {error.strerror or error}") from None
+        raise ConfigError("prompt", f"cannot read '{source}': {error.strerror or error}") from None
+    if accuracy is not None:
+        try:
+            accuracy_windows(ids, ctx, accuracy.steps, accuracy.tokens, shape.vocab_size, f"'{source}'")
+        except PromptError as error:
+            raise ConfigError("accuracy.tokens", str(error)) from None
+    return found
 
 
 @functools.cache

@@ -43,6 +43,7 @@ from harness.measure.decoding import not_run
 from harness.run.grouping import form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
+from harness.run.variants import variant_of
 from harness.store.columns import SCHEMA
 
 CONFIG_DIR = str(config_dir())
@@ -128,6 +129,7 @@ def plan(argv: list[str], cuda_available) -> Plan:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
         jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
+    _check_distinct(jobs)
     first = jobs[0]
     if first.config.search != "none" and len(jobs) > 1:
         raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
@@ -147,6 +149,7 @@ class _CommandLine:
     job_overrides: list  # each job's overrides, in Hydra's order
     elsewhere: bool  # a launcher runs the jobs on other hosts
     in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
+    as_chosen: dict = field(default_factory=dict)  # strategy options as an option's file gives them (harness.run.variants)
 
 
 def _command_line(argv: list[str]) -> _CommandLine:
@@ -157,7 +160,7 @@ def _command_line(argv: list[str]) -> _CommandLine:
     parsed = _parse(parser, overrides)
     _check_hydra_keys(parsed)
     sweeps = [o for o in parsed if o.is_sweep_override()]
-    base = _compose([o.input_line for o in parsed if not o.is_sweep_override()], with_hydra=True)
+    base = _compose_base(parsed)
     launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
     _check_output_settings(base, launcher)
     launcher_target = OmegaConf.select(base, "hydra.launcher._target_")
@@ -179,16 +182,32 @@ def _command_line(argv: list[str]) -> _CommandLine:
         job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
     except HydraException as error:
         raise ConfigError("command line", _first_line(error)) from None
-    if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
-        with open_dict(base):
-            del base["hydra"]
     in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
     return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
 
 
+def _compose_base(parsed) -> object:
+    """What every job shares, composed from the overrides that are not sweeps; where that fails (a sweep
+    over `strategy` with a `strategy.*` option the default strategy lacks), with each sweep's first
+    value, as the first job will be composed."""
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        return _compose(plain, with_hydra=True)
+    except ConfigError as error:
+        sweeps = [o for o in parsed if o.is_sweep_override()]
+        try:
+            first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in sweeps]
+            return _compose(plain + first, with_hydra=True)
+        except (ConfigError, HydraException, StopIteration):
+            raise error from None
+
+
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One job composed (once per job in a sweep), validated and resolved into its point."""
-    cfg = command.base if not command.multirun else _compose(job, with_hydra=False)
+    cfg = command.base if not command.multirun else _compose(job, with_hydra=True)
+    variant = variant_of(cfg, job, lambda overrides: _compose(overrides, with_hydra=False), command.as_chosen)
+    with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
+        del cfg["hydra"]
     if str(cfg.results_dir) != str(command.base.results_dir):
         raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
                                          "folder): set it once, outside the sweep, and run once per folder")
@@ -198,12 +217,25 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
     _check_job_options(job)
     try:
         validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
-        point = point_from_config(cfg)
+        point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
         raise _composition_error(error) from None
     check_point(point)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
     return PlannedPoint(tuple(job), cfg, point, does_not_fit)
+
+
+def _check_distinct(jobs: list[PlannedPoint]) -> None:
+    """Two jobs of one point (`strategy=quantized,int8`: the same class and options under two names)
+    would measure it twice and write one row: refused."""
+    seen: dict[str, PlannedPoint] = {}
+    for job in jobs:
+        first = seen.setdefault(job.point.key, job)
+        if first is not job:
+            names = (first.point.strategy.variant, job.point.strategy.variant)
+            raise ConfigError("strategy" if names[0] != names[1] else "command line",
+                              f"{first.point.label()} and {job.point.label()} are the same point (the same class, "
+                              f"options and sizes: key {job.point.key}); list it once")
 
 
 def check_point(point: Point) -> None:
