@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from harness.config import AccuracyConfig, CacheLayout, ModelConfig, Point, StrategyChoice, TimingConfig
-from harness.config.point import point_from_identity
+from harness.config.point import point_from_record
 from tests.conftest import planned_point
 
 TINY = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, head_dim=16)
@@ -51,7 +51,7 @@ def test_a_field_at_its_default_is_left_out_and_set_it_is_keyed():
     assert "accuracy" not in point.identity() and "interleave" not in point.identity()
     more = dataclasses.replace(point, accuracy=AccuracyConfig(tokens=4096))
     assert more.identity()["accuracy"] == {"tokens": 4096, "steps": 64, "batch": 16} and more.key != point.key
-    assert point_from_identity(more.identity()) == more  # the rule drops nothing a point cannot be rebuilt from
+    assert point_from_record(more.identity()) == more  # the rule drops nothing a point cannot be rebuilt from
 
 
 def test_a_variant_is_keyed_as_its_class_and_options_set_by_hand():

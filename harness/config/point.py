@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
 from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_fields
@@ -106,8 +106,14 @@ class Point:
         return self.ctx + self.decode_tokens
 
     def identity(self) -> dict[str, Any]:
-        """Everything that defines the measurement, as plain JSON-able values (harness.config.keys)."""
+        """Everything that defines the measurement, as plain JSON-able values: what the key hashes
+        (harness.config.keys)."""
         return keyed_fields(self)
+
+    def record(self) -> dict[str, Any]:
+        """Every field, as plain JSON-able values: a row's config_json, and what another process
+        rebuilds the point from (point_from_record)."""
+        return asdict(self)
 
     @property
     def key(self) -> str:
@@ -133,11 +139,12 @@ class Point:
         return f"{self.strategy.variant} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 
-def point_from_identity(identity: dict) -> Point:
-    """Inverse of Point.identity(): the nested dataclasses come back from their dicts."""
-    strategy = dict(identity["strategy"])
+def point_from_record(record: dict) -> Point:
+    """Inverse of Point.record(), and of Point.identity() but for the fields it leaves out (their
+    defaults come back): the nested dataclasses come back from their dicts."""
+    strategy = dict(record["strategy"])
     layout = strategy.get("layout")
     strategy["layout"] = CacheLayout(**layout) if layout is not None else None
-    accuracy = AccuracyConfig(**identity["accuracy"]) if "accuracy" in identity else AccuracyConfig()
-    return Point(**{**identity, "model": ModelConfig(**identity["model"]), "strategy": StrategyChoice(**strategy),
-                    "timing": TimingConfig(**identity["timing"]), "accuracy": accuracy})
+    accuracy = AccuracyConfig(**record["accuracy"]) if "accuracy" in record else AccuracyConfig()
+    return Point(**{**record, "model": ModelConfig(**record["model"]), "strategy": StrategyChoice(**strategy),
+                    "timing": TimingConfig(**record["timing"]), "accuracy": accuracy})

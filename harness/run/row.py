@@ -107,7 +107,7 @@ def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int =
     row.update(roof_columns(row, roofs))
     row.update(noise_columns(row))
     row.update(run_metadata(sweep_parallelism), timestamp=datetime.now(timezone.utc), point_key=point.key,
-               config_json=json.dumps(point.identity(), sort_keys=True))
+               config_json=json.dumps(point.record(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):
         raise AssertionError(f"row and schema disagree: {sorted(set(row) ^ set(COLUMN_NAMES))}")
     return {name: row[name] for name in COLUMN_NAMES}

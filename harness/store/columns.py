@@ -180,7 +180,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("hostname", S, "", "machine that ran the point", "run"),
     ("sweep_parallelism", I, "points", "points of the sweep the launcher may run at once (1: each point timed alone; more: jobs that share a host contend, see contention)", "run"),
     ("point_key", S, "", "hash of the resolved point; a re-run skips keys it already has", "run"),
-    ("config_json", S, "JSON", "the resolved point", "run"),
+    ("config_json", S, "JSON", "the resolved point, every field (harness.config.Point.record)", "run"),
 ]
 
 SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in COLUMNS])
