@@ -5,10 +5,11 @@ dataclasses on machines without torch.
 """
 from harness.config.layout import CONTIGUOUS, CacheLayout
 from harness.config.point import Point, StrategyChoice, point_from_record
-from harness.config.schema import AccuracyConfig, ModelConfig, RunConfig, TimingConfig, model_config_from, register_schemas
+from harness.config.schema import (AccuracyConfig, ModelConfig, RunConfig, TimingConfig, model_config_from,
+                                   register_schemas)
 from harness.config.validate import ConfigError
 
 __all__ = [
-    "AccuracyConfig", "CONTIGUOUS", "CacheLayout", "ConfigError", "ModelConfig", "Point", "RunConfig", "StrategyChoice",
-    "TimingConfig", "model_config_from", "point_from_record", "register_schemas",
+    "AccuracyConfig", "CONTIGUOUS", "CacheLayout", "ConfigError", "ModelConfig", "Point", "RunConfig",
+    "StrategyChoice", "TimingConfig", "model_config_from", "point_from_record", "register_schemas",
 ]

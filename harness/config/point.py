@@ -28,7 +28,7 @@ NO_COLUMNS = {COLUMN: None}
 class StrategyChoice:
     """The strategy of a point as resolved: its class, its options, and what the class declares."""
 
-    ROW_PREFIX: ClassVar[str] = ""  # columns strategy (the variant's name), strategy_class, backend, caches_kv, exact, ...
+    ROW_PREFIX: ClassVar[str] = ""  # columns strategy (the variant), strategy_class, backend, caches_kv, ...
 
     # the class's name attribute (strategies.base.Strategy.name): the row's `strategy_family`
     name: str = field(metadata={COLUMN: "strategy_family"})
@@ -126,7 +126,8 @@ class Point:
         strategy; and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
         memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds
         cannot cancel, and its long steps would cap the rounds of every cached member beside it."""
-        shared = {k: v for k, v in self.identity().items() if k not in ("strategy", "matmul", "compile", "reference", "accuracy")}
+        follow_the_strategy = ("strategy", "matmul", "compile", "reference", "accuracy")
+        shared = {k: v for k, v in self.identity().items() if k not in follow_the_strategy}
         shared["caches_kv"] = self.strategy.caches_kv
         canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

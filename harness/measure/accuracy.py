@@ -48,8 +48,8 @@ from harness.measure.intervals import cluster_mean_interval
 
 FED_TEXT = "the text's tokens"
 FED_GREEDY = "the reference's greedy tokens (random prompts)"
-NOT_MEASURED = ("top1_agreement", "logit_max_abs_error", "logit_kl_mean", "logit_kl_mean_ci_low", "logit_kl_mean_ci_high",
-                "logit_kl_p99", "logit_kl_max", "perplexity", "perplexity_reference", "perplexity_delta",
+NOT_MEASURED = ("top1_agreement", "logit_max_abs_error", "logit_kl_mean", "logit_kl_mean_ci_low",
+                "logit_kl_mean_ci_high", "logit_kl_p99", "logit_kl_max", "perplexity", "perplexity_reference", "perplexity_delta",
                 "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high", "accuracy_tokens",
                 "accuracy_ctx", "accuracy_steps", "accuracy_windows", "accuracy_s")
 

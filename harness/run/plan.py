@@ -149,7 +149,7 @@ class _CommandLine:
     job_overrides: list  # each job's overrides, in Hydra's order
     elsewhere: bool  # a launcher runs the jobs on other hosts
     in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
-    as_chosen: dict = field(default_factory=dict)  # strategy options as an option's file gives them (harness.run.variants)
+    as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
 
 
 def _command_line(argv: list[str]) -> _CommandLine:
