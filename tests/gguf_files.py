@@ -76,7 +76,8 @@ def random_weights(vocab_size: int, tied: bool = False, seed: int = 0) -> dict[s
         if len(shape) == 1:
             weights[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
         else:
-            weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[1]) * (3.0 if "embed" in name else 1.0)).astype(np.float32)
+            scale = (3.0 if "embed" in name else 1.0) / np.sqrt(shape[1])
+            weights[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
     return weights
 
 

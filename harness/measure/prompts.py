@@ -120,7 +120,8 @@ def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> li
                 try:
                     text = data[:cut].decode("utf-8")
                 except UnicodeDecodeError:
-                    raise PromptError(f"'{file}' is neither UTF-8 text nor token ids ({', '.join(TOKEN_FILES)})") from None
+                    raise PromptError(f"'{file}' is neither UTF-8 text nor token ids "
+                                      f"({', '.join(TOKEN_FILES)})") from None
                 try:
                     ids = encoder.encode(text).ids
                 except Exception as error:  # the library raises its own Exception for what it cannot encode
@@ -136,17 +137,18 @@ def _tokenizer(path: Path, _mtime_ns: int):
     from tokenizers import Tokenizer
 
     if path.suffix == ".gguf":
-        from harness.model.gguf_file import GGUFError
+        from harness.model.checkpoint_fields import CheckpointError
         from harness.model.gguf_tokenizer import gguf_tokenizer
 
         try:
             return gguf_tokenizer(path)
-        except GGUFError as error:
+        except CheckpointError as error:
             raise PromptError(str(error)) from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # the library raises its own Exception for a malformed tokenizer.json
-        raise PromptError(f"'{path}' is not a tokenizer the tokenizers library reads: {str(error).splitlines()[0]}") from None
+        raise PromptError(f"'{path}' is not a tokenizer the tokenizers library reads: "
+                          f"{str(error).splitlines()[0]}") from None
 
 
 def windows(ids: np.ndarray, batch: int, length: int, vocab_size: int, name: str = "the file") -> np.ndarray:

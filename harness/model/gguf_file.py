@@ -1,19 +1,20 @@
 """A GGUF file (llama.cpp's format) read as a checkpoint: its metadata mapped onto config.json's
 fields, its tensors under the names Hugging Face gives them, and each tensor dequantized on its own.
 
-harness.model.checkpoint builds the Checkpoint from what `read_gguf` finds (the shape through the same
-function as a config.json's, the tensors through the same check) and fills the decoder from
+harness.model.checkpoint builds the Checkpoint from what `read_gguf` finds: the shape through the
+same schema as a config.json's (harness.model.checkpoint_fields, its messages naming this file's keys,
+`llama.block_count` and the like), the tensors through the same check, and fills the decoder from
 `dequantized_tensors` as it does from safetensors files. The `gguf` library llama.cpp publishes parses
 the header and maps the file (gguf.GGUFReader: no tensor byte is read until it is dequantized), and
 dequantizes (gguf.quants.dequantize).
 
 Accepted: general.architecture `llama`, as llama.cpp's converter writes Llama 2/3, Mistral, SmolLM and
-other Llama-shaped models, with tensors stored in one of DEQUANTIZED_TYPES. `read_gguf` refuses with one
-line naming the file (GGUFError): a file the library cannot parse (not GGUF, truncated, damaged, or a
-tensor type it does not know), another architecture, a metadata field of SHAPE_FIELDS missing or
-of the wrong kind, a model feature the decoder does not reproduce (UNSUPPORTED_KEYS; RoPE frequency
-factors; partial rotary embeddings), another tensor type. Missing, extra and misshapen tensors are
-checked by harness.model.checkpoint against the shape.
+other Llama-shaped models, with tensors stored in one of DEQUANTIZED_TYPES. Refused with one line
+naming the file (CheckpointError): a file the library cannot parse (not GGUF, truncated, damaged, or a
+tensor type it does not know), another architecture, a metadata field of the wrong kind or range (the
+schema's rules), a model feature the decoder does not reproduce (UNSUPPORTED_KEYS; RoPE frequency
+factors; partial rotary embeddings, `check_heads`), another tensor type, a missing, extra or
+misshapen tensor.
 
 Row order: llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) reorders the rows of
 attn_q and attn_k within each head, from Hugging Face's rotate-half halves to the adjacent pairs GGML's
@@ -23,7 +24,6 @@ RoPE rotates. `dequantized_tensors` undoes it, as transformers' GGUF loader does
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,31 +31,28 @@ from typing import Any, Iterable, Iterator
 
 import gguf
 import numpy as np
-import torch
+
+from harness.config import ModelConfig
+from harness.model.checkpoint_fields import CheckpointError, Where
 
 ARCHITECTURE = "llama"  # general.architecture the decoder reproduces
 # GGML tensor types gguf.quants.dequantize turns into float32 (floats, the legacy block quants, the K-quants).
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# The shape: config.json's field <- the GGUF key after "llama.", its kind, and whether it must be there
-# (an optional one left out takes config.json's default, which harness.model.checkpoint applies; no
-# vocab_size: the embedding table's rows). One table, so the checks can move with config.json's schema.
-SHAPE_FIELDS = (
-    ("num_hidden_layers", "block_count", int, True),
-    ("hidden_size", "embedding_length", int, True),
-    ("intermediate_size", "feed_forward_length", int, True),
-    ("num_attention_heads", "attention.head_count", int, True),
-    ("num_key_value_heads", "attention.head_count_kv", int, False),
-    ("head_dim", "attention.key_length", int, False),
-    ("rms_norm_eps", "attention.layer_norm_rms_epsilon", float, True),
-    ("rope_theta", "rope.freq_base", float, False),
-    ("vocab_size", "vocab_size", int, False),
-)
-# Keys after "llama." whose presence (with a value other than these) names what the decoder lacks.
+# config.json's field <- the GGUF key (after "llama.") llama.cpp's converter writes it as; the schema
+# (harness.model.checkpoint_fields.CONFIG_FIELDS) checks the values and supplies the defaults.
+CONFIG_KEYS = {
+    "num_hidden_layers": "block_count", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base", "vocab_size": "vocab_size",
+}
+# Keys (after "llama.") whose presence, with a value other than these, names what the decoder lacks.
 UNSUPPORTED_KEYS = {
     "expert_count": ((0,), "a mixture of experts"),
     "rope.scaling.type": (("none",), "RoPE scaling"),
     "attention.sliding_window": ((0,), "sliding-window attention"),
 }
+HEAD_WIDTH_KEYS = ("rope.dimension_count", "attention.value_length")  # each, where present, is the heads' width
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, stored as per-frequency factors
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
@@ -65,16 +62,12 @@ LAYER_NAMES = {
 }
 
 
-class GGUFError(ValueError):
-    """A GGUF file the decoder cannot load. str() is one line naming the file."""
-
-
 @dataclass(frozen=True)
 class GGUFContents:
-    config: dict[str, Any]  # the shape as config.json's fields (harness.model.checkpoint reads it as one)
-    tensors: dict[str, tuple[str, tuple[int, ...]]]  # Hugging Face name -> (GGML type name, shape as Hugging Face stores it)
+    config: dict[str, Any]  # the metadata under config.json's names, unchecked (the schema checks it)
+    where: Where  # how a message names a config.json field: the file and its GGUF key
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # Hugging Face name -> (GGML type, shape as Hugging Face's)
     header: bytes  # the file up to its tensor data: magic, metadata, tensor table (hashed with the data's ends)
-
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of a GGUF tensor name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight);
@@ -102,7 +95,7 @@ def gguf_name(name: str) -> str:
 
 
 def reader(path: Path) -> gguf.GGUFReader:
-    """The file's parsed header over its memory map; GGUFError when the library cannot parse it.
+    """The file's parsed header over its memory map; CheckpointError when the library cannot parse it.
     Cached per file, its size and time: the plan and the load parse it once per process."""
     stat = path.stat()
     return _reader(path, (stat.st_size, stat.st_mtime_ns))
@@ -116,7 +109,7 @@ def _reader(path: Path, _stamp: tuple) -> gguf.GGUFReader:
         # What the library raises for a file it cannot parse: a bad magic or version, a field or tensor
         # table running past the end of the file, a tensor type it does not know.
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise GGUFError(f"'{path}' cannot be read as GGUF: not GGUF, truncated, damaged, or with a tensor type the "
+        raise CheckpointError(f"'{path}' cannot be read as GGUF: not GGUF, truncated, damaged, or with a tensor type the "
                         f"gguf library does not know ({reason})") from None
 
 
@@ -127,23 +120,47 @@ def metadata(path: Path, key: str, default: Any = None) -> Any:
 
 
 def read_gguf(path: Path) -> GGUFContents:
-    """The shape, tensors and header size of the GGUF file at `path`, checked as the module docstring says."""
+    """The metadata, tensors and header of the GGUF file at `path`, checked as the module docstring says
+    (the shape itself: by the schema, harness.model.checkpoint)."""
     found = reader(path)
     architecture = metadata(path, "general.architecture")
     if architecture != ARCHITECTURE:
-        raise GGUFError(f"'{path}' holds a {architecture or 'unnamed'} model (general.architecture); allowed: {ARCHITECTURE}")
+        raise CheckpointError(f"'{path}' holds a {architecture or 'unnamed'} model (general.architecture); "
+                              f"allowed: {ARCHITECTURE}")
     tensors = {}
     for tensor in found.tensors:  # each one's data is in the file: the library's parse maps all of it
         kind = tensor.tensor_type.name
         if kind not in DEQUANTIZED_TYPES:
-            raise GGUFError(f"'{path}': tensor {tensor.name} is stored as {kind}; allowed: {', '.join(DEQUANTIZED_TYPES)}")
+            raise CheckpointError(f"'{path}': tensor {tensor.name} is stored as {kind}; allowed: "
+                                  f"{', '.join(DEQUANTIZED_TYPES)}")
         tensors[hf_name(tensor.name)] = (kind, _stored_shape(tensor))
     if ROPE_FACTORS in tensors:
-        raise GGUFError(f"'{path}' stores RoPE frequency factors ({ROPE_FACTORS}, Llama 3.1's RoPE scaling), "
-                        "which the decoder does not read from GGUF; use the model's Hugging Face format folder")
+        raise CheckpointError(f"'{path}' stores RoPE frequency factors ({ROPE_FACTORS}, Llama 3.1's RoPE scaling), "
+                              "which the decoder does not read from GGUF; use the model's Hugging Face format folder")
+    for key, (neutral, what) in UNSUPPORTED_KEYS.items():
+        value = metadata(path, f"{ARCHITECTURE}.{key}")
+        if value is not None and value not in neutral:
+            raise CheckpointError(f"'{path}': {ARCHITECTURE}.{key} = {value!r} makes it {what}, which the decoder "
+                                  "does not run")
+    config = {field: metadata(path, f"{ARCHITECTURE}.{key}") for field, key in CONFIG_KEYS.items()}
+    if config["vocab_size"] is None and "model.embed_tokens.weight" in tensors:  # older exports leave it out
+        config["vocab_size"] = tensors["model.embed_tokens.weight"][1][0]
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama",
+                  tie_word_embeddings="lm_head.weight" not in tensors)  # no output tensor: the head is the embedding
     with open(path, "rb") as f:
         header = f.read(int(found.data_offset))
-    return GGUFContents(config=_config(path, tensors), tensors=tensors, header=header)
+    return GGUFContents(config=config, where=lambda field: f"'{path}': {ARCHITECTURE}.{CONFIG_KEYS.get(field, field)}",
+                        tensors=tensors, header=header)
+
+
+def check_heads(path: Path, shape: ModelConfig) -> None:
+    """CheckpointError when the file rotates or reads less than whole heads (partial rotary embeddings,
+    values narrower than keys), which the decoder does not do."""
+    for key in HEAD_WIDTH_KEYS:
+        value = metadata(path, f"{ARCHITECTURE}.{key}")
+        if value is not None and value != shape.resolved_head_dim:
+            raise CheckpointError(f"'{path}': {ARCHITECTURE}.{key} = {value!r}, the heads are {shape.resolved_head_dim} "
+                                  "wide; the decoder rotates and reads whole heads")
 
 
 def _stored_shape(tensor) -> tuple[int, ...]:
@@ -151,40 +168,13 @@ def _stored_shape(tensor) -> tuple[int, ...]:
     return tuple(int(size) for size in reversed(tensor.shape.tolist()))
 
 
-def _config(path: Path, tensors: dict) -> dict[str, Any]:
-    """SHAPE_FIELDS read and checked, UNSUPPORTED_KEYS refused, as config.json would hold them."""
-    config: dict[str, Any] = {"hidden_act": "silu", "tie_word_embeddings": "lm_head.weight" not in tensors}
-    for field, key, kind, required in SHAPE_FIELDS:
-        value = metadata(path, f"{ARCHITECTURE}.{key}")
-        if value is None and required:
-            raise GGUFError(f"'{path}' has no {ARCHITECTURE}.{key} ({field}): not a complete llama.cpp export")
-        if value is None:
-            continue
-        exact = isinstance(value, int) and not isinstance(value, bool)
-        if not (exact or (kind is float and isinstance(value, float) and math.isfinite(value))) or value <= 0:
-            raise GGUFError(f"'{path}': {ARCHITECTURE}.{key} must be a positive {'integer' if kind is int else 'number'}, "
-                            f"got {value!r}")
-        config[field] = value
-    if "vocab_size" not in config and "model.embed_tokens.weight" in tensors:
-        config["vocab_size"] = tensors["model.embed_tokens.weight"][1][0]
-    for key, (neutral, what) in UNSUPPORTED_KEYS.items():
-        value = metadata(path, f"{ARCHITECTURE}.{key}")
-        if value is not None and value not in neutral:
-            raise GGUFError(f"'{path}': {ARCHITECTURE}.{key} = {value!r} makes it {what}, which the decoder does not run")
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    for key in ("rope.dimension_count", "attention.value_length"):
-        value = metadata(path, f"{ARCHITECTURE}.{key}")
-        if value is not None and value != head_dim:
-            raise GGUFError(f"'{path}': {ARCHITECTURE}.{key} = {value!r}, the heads are {head_dim} wide; the decoder "
-                            "rotates and reads whole heads")
-    return config
-
-
 def dequantized_tensors(path: Path, names: Iterable[str], n_heads: int,
-                        n_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+                        n_kv_heads: int) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(Hugging Face name, float32 values) for each of `names`, one tensor at a time, dequantized from the
     mapped file. q and k come as a view [heads, 2, head_dim / 2, d_model] that puts their rows back in
     rotate-half order (the module docstring): copy it into the target rows viewed in that shape."""
+    import torch  # here, as harness.model.checkpoint.load_weights imports it: reading a header needs none
+
     stored = {hf_name(tensor.name): tensor for tensor in reader(path).tensors}
     heads = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv_heads}
     for name in names:

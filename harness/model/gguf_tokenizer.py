@@ -17,7 +17,7 @@ A GGUF file has no tokenizer.json: llama.cpp's converter stores the vocabulary (
 Tokens the file marks as control (and the special ids) are special tokens, matched whole; those
 marked user-defined are added whole. BOS goes in front where `add_bos_token` says so (absent: yes for
 `llama`, as llama.cpp does; no for `gpt2`), EOS behind where `add_eos_token` does. Another tokenizer
-model, or a pre-tokenizer this module does not know, is refused (GGUFError) rather than guessed: text
+model, or a pre-tokenizer this module does not know, is refused (CheckpointError) rather than guessed: text
 split another way gives other ids.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from harness.model.gguf_file import GGUFError, metadata
+from harness.model.checkpoint_fields import CheckpointError
+from harness.model.gguf_file import metadata
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -45,16 +46,16 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_toke
 
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer of the GGUF file at `path` (the module docstring); GGUFError where the file's
+    """The tokenizer of the GGUF file at `path` (the module docstring); CheckpointError where the file's
     metadata names one this module does not build."""
     kind = metadata(path, "tokenizer.ggml.model")
     tokens = metadata(path, "tokenizer.ggml.tokens")
     if kind not in ("gpt2", "llama") or not tokens:
-        raise GGUFError(f"'{path}': tokenizer.ggml.model is {kind!r}{'' if tokens else ' with no tokens'}; "
+        raise CheckpointError(f"'{path}': tokenizer.ggml.model is {kind!r}{'' if tokens else ' with no tokens'}; "
                         "text prompts need gpt2 or llama (give token ids as .json or .npy instead)")
     pre = metadata(path, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
-        raise GGUFError(f"'{path}': tokenizer.ggml.pre {pre!r} is a pre-tokenizer this harness does not split text "
+        raise CheckpointError(f"'{path}': tokenizer.ggml.pre {pre!r} is a pre-tokenizer this harness does not split text "
                         f"for; known: {', '.join(PRE_TOKENIZER_SPLITS)} (give token ids as .json or .npy instead)")
     merges = [tuple(merge.split(" ", 1)) for merge in metadata(path, "tokenizer.ggml.merges", [])]
     if kind == "gpt2":
