@@ -69,6 +69,7 @@ class GGUFContents:
     tensors: dict[str, tuple[str, tuple[int, ...]]]  # Hugging Face name -> (GGML type, shape as Hugging Face's)
     header: bytes  # the file up to its tensor data: magic, metadata, tensor table (hashed with the data's ends)
 
+
 def hf_name(name: str) -> str:
     """The Hugging Face name of a GGUF tensor name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight);
     a name the decoder does not load comes back as it is."""
@@ -109,8 +110,8 @@ def _reader(path: Path, _stamp: tuple) -> gguf.GGUFReader:
         # What the library raises for a file it cannot parse: a bad magic or version, a field or tensor
         # table running past the end of the file, a tensor type it does not know.
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(f"'{path}' cannot be read as GGUF: not GGUF, truncated, damaged, or with a tensor type the "
-                        f"gguf library does not know ({reason})") from None
+        raise CheckpointError(f"'{path}' cannot be read as GGUF: not GGUF, truncated, damaged, or with a tensor "
+                              f"type the gguf library does not know ({reason})") from None
 
 
 def metadata(path: Path, key: str, default: Any = None) -> Any:
