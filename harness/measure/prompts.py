@@ -3,9 +3,10 @@ point instead of seeded random ids.
 
 A file holds token ids, or text:
 - `.json`: a list of ids (one stream), or a list of lists (one row of ids per sequence);
-- `.npy`: a 1-D (one stream) or 2-D (one row per sequence) integer array;
-- any other name: UTF-8 text, tokenized with the checkpoint's own `tokenizer.json` (the `tokenizers`
-  library, special tokens as the tokenizer adds them: Llama's BOS once, at the start).
+- `.npy`: a 1-D (one stream) or 2-D (one row per sequence) integer array, memory-mapped;
+- any other name: UTF-8 text, tokenized with the checkpoint's own tokenizer (a folder's
+  `tokenizer.json`, or the one a GGUF file's metadata describes, harness.model.gguf_tokenizer; the
+  `tokenizers` library, special tokens as the tokenizer adds them: Llama's BOS once, at the start).
 A built-in text (harness.config.texts: `python-docs`) is tokenized as a text file is.
 
 The timed run: a point of `batch` sequences takes `batch` windows of ctx + decode_tokens + 1 tokens,
@@ -19,6 +20,17 @@ fed the token before it, so the windows' prompts overlap and their scored tokens
 without a tokenizer are refused (PromptError) when the sweep is planned. The content hash (with the
 tokenizer's, for text) goes into the point, and the point's own process checks it again before it
 measures.
+
+Bounded work: `read_tokens(..., limit=N)` reads only what N tokens need. Text is tokenized in growing
+prefixes of the file (READ_BYTES_PER_TOKEN bytes a token at first, doubled until enough), each cut at
+its last line break (else its last space), and the prefix gives SPARE_TOKENS more than it returns, so
+a cut never changes a token returned: the first N ids are those of the whole file, whatever its size.
+The content hash (`content_hash`) is as bounded: sha256 of the file's size, its first HASHED_HEAD_BYTES
+(every token of a point of up to about four million tokens of text) and last HASHED_TAIL_BYTES, and
+the tokenizer's (tokenizer.json's bytes, or a GGUF checkpoint's own content hash, which covers its
+metadata); an edit past the first 16 MiB that keeps the file's size and its last MiB goes unnoticed.
+A built-in text is tokenized whole, once per tokenizer and process (about 120,000 tokens), and hashed
+whole.
 """
 from __future__ import annotations
 
@@ -34,6 +46,10 @@ import numpy as np
 from harness.config.texts import builtin_text, is_builtin_text
 
 TOKEN_FILES = (".json", ".npy")  # file suffixes read as token ids; any other is text
+HASHED_HEAD_BYTES = 16 * 2**20  # the content hash reads this much of the file's start...
+HASHED_TAIL_BYTES = 2**20  # ...and this much of its end
+READ_BYTES_PER_TOKEN = 8  # the first prefix of a text file read for `limit` tokens: twice English text's ~4 bytes a token
+SPARE_TOKENS = 64  # tokens a prefix must give beyond those returned: the cut may change the last few
 
 
 class PromptError(ValueError):
@@ -46,45 +62,65 @@ def window_tokens(ctx: int, decode_tokens: int) -> int:
 
 
 def content_hash(source: str | Path, tokenizer: Optional[Path]) -> str:
-    """sha256 of the file or built-in text, and of the tokenizer that turns it into ids (text only)."""
+    """The file's bounded content hash, or a built-in text's, with its tokenizer's for text (the module
+    docstring)."""
     if is_builtin_text(source):
         digest = hashlib.sha256(builtin_text(str(source)).encode())
-    else:
-        path = Path(source)
-        digest = hashlib.sha256(path.read_bytes())
-        if path.suffix in TOKEN_FILES:
-            return digest.hexdigest()[:16]
-    if tokenizer is not None:
-        digest.update(tokenizer.read_bytes())
+        if tokenizer is not None:
+            digest.update(_tokenizer_fingerprint(tokenizer))
+        return digest.hexdigest()[:16]
+    path = Path(source).expanduser().resolve()
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\0".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HASHED_HEAD_BYTES))
+        f.seek(max(0, size - HASHED_TAIL_BYTES))
+        digest.update(f.read(HASHED_TAIL_BYTES))
+    if tokenizer is not None and path.suffix not in TOKEN_FILES:
+        digest.update(_tokenizer_fingerprint(tokenizer))
     return digest.hexdigest()[:16]
 
 
-def read_tokens(source: str | Path, tokenizer: Optional[Path]) -> np.ndarray:
-    """The token ids of a file or built-in text, int64: [N] for a stream, [rows, N] for rows. Cached
-    per file, its size and time, and the tokenizer."""
-    tokenizer_stamp = (str(tokenizer), tokenizer.stat().st_mtime_ns if tokenizer else 0)
-    if is_builtin_text(source):
-        return _builtin_tokens(str(source), tokenizer, tokenizer_stamp)
-    file = Path(source).expanduser().resolve()
+def _tokenizer_fingerprint(tokenizer: Path) -> bytes:
+    if tokenizer.suffix == ".gguf":
+        from harness.model.checkpoint import read_checkpoint
+
+        return read_checkpoint(tokenizer).content_hash.encode()
+    return tokenizer.read_bytes()
+
+
+def read_tokens(path: str | Path, tokenizer: Optional[Path], limit: Optional[int] = None) -> np.ndarray:
+    """The token ids of a file or built-in text, integers: [N] for a stream (with `limit`, at most its first
+    `limit`), [rows, N] for rows. Cached per file, its size and time, the tokenizer and the limit."""
+    if is_builtin_text(path):
+        return _builtin_tokens(str(path), tokenizer, tokenizer.stat().st_mtime_ns if tokenizer else 0)[:limit]
+    file = Path(path).expanduser().resolve()
     if not file.is_file():
-        raise PromptError(f"'{source}' is {'a folder, not a file' if file.exists() else 'no file'}")
+        raise PromptError(f"'{path}' is {'a folder, not a file' if file.exists() else 'no file'}")
     stat = file.stat()
-    return _read_tokens(file, tokenizer, (stat.st_size, stat.st_mtime_ns, *tokenizer_stamp))
+    stamp = (stat.st_size, stat.st_mtime_ns, str(tokenizer), tokenizer.stat().st_mtime_ns if tokenizer else 0)
+    return _read_tokens(file, tokenizer, limit, stamp)
 
 
 @functools.lru_cache(maxsize=2)
-def _builtin_tokens(name: str, tokenizer: Optional[Path], _stamp: tuple) -> np.ndarray:
+def _builtin_tokens(name: str, tokenizer: Optional[Path], _mtime_ns: int) -> np.ndarray:
     if tokenizer is None:
         raise PromptError(f"'{name}' is a built-in text, which needs a tokenizer: set model.checkpoint to a "
                           "checkpoint with one")
-    return np.asarray(_encode(builtin_text(name), tokenizer, f"'{name}'"), dtype=np.int64)
+    try:
+        ids = _tokenizer(tokenizer, tokenizer.stat().st_mtime_ns).encode(builtin_text(name)).ids
+    except PromptError:
+        raise
+    except Exception as error:  # the library raises its own Exception for what it cannot encode
+        raise PromptError(f"'{tokenizer}' cannot tokenize '{name}': {str(error).splitlines()[0]}") from None
+    return np.asarray(ids, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_tokens(file: Path, tokenizer: Optional[Path], _stamp: tuple) -> np.ndarray:
+def _read_tokens(file: Path, tokenizer: Optional[Path], limit: Optional[int], _stamp: tuple) -> np.ndarray:
     if file.suffix == ".npy":
         try:
-            ids = np.load(file, allow_pickle=False)
+            ids = np.load(file, mmap_mode="r", allow_pickle=False)  # mapped: a window reads only its own pages
         except (ValueError, OSError, EOFError) as error:
             raise PromptError(f"'{file}' is not a NumPy array file ({str(error).splitlines()[0]})") from None
     elif file.suffix == ".json":
@@ -93,31 +129,60 @@ def _read_tokens(file: Path, tokenizer: Optional[Path], _stamp: tuple) -> np.nda
         except (ValueError, UnicodeDecodeError) as error:
             raise PromptError(f"'{file}' is not JSON ({str(error).splitlines()[0]})") from None
     else:
-        ids = np.asarray(_tokenize(file, tokenizer))
+        ids = np.asarray(_tokenize(file, tokenizer, limit), dtype=np.int64)
     if ids.dtype == object or ids.ndim not in (1, 2) or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise PromptError(f"'{file}' must hold integer token ids, a list or rows of equal length "
                           f"(got {ids.dtype} of shape {list(ids.shape)})")
-    return ids.astype(np.int64)
+    return ids[:limit] if ids.ndim == 1 else ids
 
 
-def _tokenize(file: Path, tokenizer: Optional[Path]) -> list[int]:
+def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> list[int]:
+    """The ids of the file's text, or with `limit` of the shortest prefix that gives them (the module docstring)."""
     if tokenizer is None:
         raise PromptError(f"'{file}' is text, which needs a tokenizer: set model.checkpoint to a folder with "
-                          f"tokenizer.json, or give token ids as {' or '.join(TOKEN_FILES)}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise PromptError(f"'{file}' is neither UTF-8 text nor token ids ({', '.join(TOKEN_FILES)})") from None
-    return _encode(text, tokenizer, f"'{file}'")
+                          f"tokenizer.json or to a GGUF file, or give token ids as {' or '.join(TOKEN_FILES)}")
+    encoder = _tokenizer(tokenizer, tokenizer.stat().st_mtime_ns)
+    size = file.stat().st_size
+    read = size if limit is None else min(size, (limit + SPARE_TOKENS) * READ_BYTES_PER_TOKEN)
+    with open(file, "rb") as f:
+        while True:
+            f.seek(0)
+            data = f.read(read)
+            whole = read >= size
+            cut = len(data) if whole else (data.rfind(b"\n") + 1 or data.rfind(b" ") + 1)
+            if whole or cut:  # a line break or a space: a character boundary, and (almost) a token boundary
+                try:
+                    text = data[:cut].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise PromptError(f"'{file}' is neither UTF-8 text nor token ids "
+                                      f"({', '.join(TOKEN_FILES)})") from None
+                try:
+                    ids = encoder.encode(text).ids
+                except Exception as error:  # the library raises its own Exception for what it cannot encode
+                    raise PromptError(f"'{tokenizer}' cannot tokenize '{file}': {str(error).splitlines()[0]}") from None
+                if whole or len(ids) >= limit + SPARE_TOKENS:
+                    return ids
+            read = min(size, 2 * read)
 
 
-def _encode(text: str, tokenizer: Path, name: str) -> list[int]:
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: Path, _mtime_ns: int):
+    """The `tokenizers` Tokenizer of a tokenizer.json or a GGUF file's metadata (built once per process)."""
     from tokenizers import Tokenizer
 
+    if path.suffix == ".gguf":
+        from harness.model.checkpoint_fields import CheckpointError
+        from harness.model.gguf_tokenizer import gguf_tokenizer
+
+        try:
+            return gguf_tokenizer(path)
+        except CheckpointError as error:
+            raise PromptError(str(error)) from None
     try:
-        return Tokenizer.from_file(str(tokenizer)).encode(text).ids
+        return Tokenizer.from_file(str(path))
     except Exception as error:  # the library raises its own Exception for a malformed tokenizer.json
-        raise PromptError(f"'{tokenizer}' cannot tokenize {name}: {str(error).splitlines()[0]}") from None
+        raise PromptError(f"'{path}' is not a tokenizer the tokenizers library reads: "
+                          f"{str(error).splitlines()[0]}") from None
 
 
 def windows(ids: np.ndarray, batch: int, length: int, vocab_size: int, name: str = "the file") -> np.ndarray:
@@ -136,24 +201,35 @@ def windows(ids: np.ndarray, batch: int, length: int, vocab_size: int, name: str
     if rows.min() < 0 or rows.max() >= vocab_size:
         raise PromptError(f"{name} has token id {int(rows.max() if rows.max() >= vocab_size else rows.min())}, "
                           f"outside the model's vocabulary [0, {vocab_size})")
-    return rows
+    return rows.astype(np.int64)  # a copy: a mapped .npy file's rows leave the file behind
+
+
+def file_windows(path: str | Path, tokenizer: Optional[Path], batch: int, length: int, vocab_size: int) -> np.ndarray:
+    """`batch` windows of `length` ids from the file [batch, length]: only the batch * length tokens they
+    take are read from a stream, never the whole file."""
+    return windows(read_tokens(path, tokenizer, limit=batch * length), batch, length, vocab_size, f"'{path}'")
 
 
 def tokenizer_of(checkpoint: Optional[str]) -> Optional[Path]:
-    """The checkpoint folder's tokenizer.json, where there is a checkpoint and it has one."""
-    path = Path(checkpoint).expanduser() / "tokenizer.json" if checkpoint else None
-    return path.resolve() if path is not None and path.is_file() else None
+    """Where the checkpoint's tokenizer is: a folder's tokenizer.json, or a GGUF file itself (its metadata
+    holds one); None without a checkpoint or a tokenizer."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint).expanduser()
+    path = path if path.suffix == ".gguf" else path / "tokenizer.json"
+    return path.resolve() if path.is_file() else None
 
 
-def checked_tokens(point) -> np.ndarray:
-    """The ids of a point's prompt (it has `prompt` and `prompt_hash`, harness.config.Point), read in
-    the point's own process: the file or text (and tokenizer) must still be what the plan hashed."""
+def checked_tokens(point, limit: int) -> np.ndarray:
+    """The ids of a point's prompt (it has `prompt` and `prompt_hash`, harness.config.Point), at most
+    `limit` of a stream, read in the point's own process: the file or text (and tokenizer) must still
+    be what the plan hashed."""
     tokenizer = tokenizer_of(point.model.checkpoint)
     found = content_hash(point.prompt, tokenizer)
     if found != point.prompt_hash:
         raise PromptError(f"'{point.prompt}' changed since the sweep was planned (hash {found}, planned "
                           f"{point.prompt_hash})")
-    return read_tokens(point.prompt, tokenizer)
+    return read_tokens(point.prompt, tokenizer, limit=limit)
 
 
 def point_prompt(point, device) -> "torch.Tensor":
@@ -161,8 +237,15 @@ def point_prompt(point, device) -> "torch.Tensor":
     import torch
 
     length = window_tokens(point.ctx, point.decode_tokens)
-    ids = windows(checked_tokens(point), point.batch, length, point.model.vocab_size, f"'{point.prompt}'")
+    ids = windows(checked_tokens(point, point.batch * length), point.batch, length, point.model.vocab_size,
+                  f"'{point.prompt}'")
     return torch.from_numpy(np.ascontiguousarray(ids)).to(device)
+
+
+def accuracy_tokens_needed(ctx: int, tokens: int) -> int:
+    """Tokens of one stream the accuracy pass reads: the first window's prompt, every scored token, and
+    the token fed before the first."""
+    return ctx + tokens + 1
 
 
 @dataclass(frozen=True)
@@ -188,11 +271,12 @@ def accuracy_windows(ids: np.ndarray, ctx: int, steps: int, tokens: int, vocab_s
                      name: str = "the file") -> TextWindows:
     """Windows scoring `tokens` tokens in all, `steps` a window, from ids [N] or [rows, N]; PromptError
     when the text has fewer, or ids outside the vocabulary."""
+    ids = ids[: accuracy_tokens_needed(ctx, tokens)] if ids.ndim == 1 else ids
     have = scoreable_tokens(ids, ctx)
     if have < tokens:
         counted = (f"{ids.shape[0]:,} tokens" if ids.ndim == 1 else f"{ids.shape[0]} row(s) of {ids.shape[1]:,} tokens")
         raise PromptError(f"{name} holds {counted}; scoring accuracy.tokens={tokens:,} after ctx={ctx:,} needs "
-                          f"ctx + accuracy.tokens + 1 = {ctx + tokens + 1:,} tokens of one stream (it has {have:,} to "
+                          f"ctx + accuracy.tokens + 1 = {accuracy_tokens_needed(ctx, tokens):,} tokens of one stream (it has {have:,} to "
                           "score); give a longer text or fewer accuracy.tokens")
     prompts, fed, targets, scored = [], [], [], []
     left = tokens
