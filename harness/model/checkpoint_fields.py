@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -108,9 +109,14 @@ def _json_text(value: Any) -> str:
     return {True: "true", False: "false"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
+_SHORT_REPR = reprlib.Repr()  # bounded work and length, whatever a file holds (Python 3.11 takes no arguments)
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxlong = 3, 4, 4, 30
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = SHOWN_CHARACTERS
+
+
 def shown(value: Any) -> str:
     """A value from a file as a message shows it: its repr, clipped, on one line."""
-    text = "null" if value is None else _json_text(value) if isinstance(value, bool) else repr(value)
+    text = "null" if value is None else _json_text(value) if isinstance(value, bool) else _SHORT_REPR.repr(value)
     return text if len(text) <= SHOWN_CHARACTERS else text[: SHOWN_CHARACTERS - 3] + "..."
 
 

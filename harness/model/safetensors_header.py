@@ -42,12 +42,13 @@ METADATA = "__metadata__"  # the header's one entry that is not a tensor
 def read_header(path: Path) -> tuple[bytes, dict[str, dict]]:
     """A safetensors file's header: its raw bytes, and each tensor's entry (dtype, shape,
     data_offsets) checked against TENSOR_FIELDS and against the file (the module docstring)."""
+    if not path.is_file():  # a folder or a pipe named *.safetensors: opening a pipe would wait forever
+        raise CheckpointError(f"'{path}' is not a file")
     size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"'{path}' is truncated: {size} bytes, not even a safetensors header length")
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"'{path}' is truncated: {size} bytes, not even a safetensors header length")
-        length = struct.unpack("<Q", prefix)[0]
+        length = struct.unpack("<Q", f.read(8))[0]
         if length > HEADER_MAX_BYTES or 8 + length > size:
             raise CheckpointError(f"'{path}' is truncated or not safetensors: its header claims {length:,} bytes, "
                                   f"the file holds {size:,}")
