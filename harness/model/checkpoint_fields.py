@@ -128,9 +128,11 @@ def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Whe
     checked: dict[str, Any] = {}
     for field in table:
         name, value = prefix + field.name, values.get(field.name)
+        if value is None and field.default is REQUIRED:
+            if field.name in values:
+                raise CheckpointError(f"{where(name)} must be {field.describe()}, got null")
+            raise CheckpointError(f"{where(name)} is missing: it must be {field.describe()}")
         if value is None:
-            if field.default is REQUIRED:
-                raise CheckpointError(f"{where(name)} is missing: it must be {field.describe()}")
             checked[field.name] = field.default
         elif not field.accepts(value):
             raise CheckpointError(f"{where(name)} must be {field.describe()}, got {shown(value)}")
