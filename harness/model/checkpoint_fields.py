@@ -66,6 +66,10 @@ class Field:
     length: Optional[int] = None  # integers: the exact number of entries (None: any)
     fields: tuple["Field", ...] = ()  # object: its own fields (none: the object as it is, for its reader to check)
 
+    def __post_init__(self):
+        if self.kind not in KINDS:  # a table's typo, not a file's fault
+            raise ValueError(f"field {self.name}: kind {self.kind!r} is not one of {KINDS}")
+
     def describe(self) -> str:
         """What the field may hold, as a message says it."""
         if self.allowed:
@@ -106,7 +110,8 @@ def _number(value: Any) -> bool:
 
 
 def _json_text(value: Any) -> str:
-    return {True: "true", False: "false"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+    """A bool as JSON writes it (true, false), anything else as str() does."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 _SHORT_REPR = reprlib.Repr()  # bounded work and length, whatever a file holds (Python 3.11 takes no arguments)
