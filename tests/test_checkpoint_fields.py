@@ -59,7 +59,7 @@ def refused(folder, **changes) -> str:
     ("tie_word_embeddings", 0, "tie_word_embeddings must be true or false (a JSON bool), got 0"),
     ("vocab_size", 512.0, "vocab_size must be a JSON integer from 1 to 2,147,483,647, got 512.0"),
     ("vocab_size", True, "vocab_size must be a JSON integer"),
-    ("hidden_size", None, "hidden_size must be a JSON integer from 1 to 2,147,483,647, got null"),
+    ("hidden_size", None, "hidden_size is missing: it must be a JSON integer from 1 to 2,147,483,647"),  # null: absent
     ("rms_norm_eps", -1e-6, "rms_norm_eps must be a finite number above 0, at most 1"),
     ("rope_theta", math.inf, "rope_theta must be a finite number above 0, got inf"),
     ("hidden_act", "gelu", "hidden_act must be silu, got 'gelu'"),

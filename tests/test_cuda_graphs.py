@@ -33,7 +33,9 @@ def decode(strategy, model, prompt, graphed: bool) -> torch.Tensor:
     replayer = GraphedSteps(session, token, NEW - 1) if graphed else None
     for _ in range(NEW - 1):
         if graphed:
-            token, _ = replayer.replay_next(token, timer.time)
+            replay, next_token = replayer.prepare_next(token)
+            timer.time(replay)
+            token = next_token.clone()
         else:
             token = session.step(token).argmax(-1)
         tokens.append(token)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.measure.group import GroupRequest, measure_group, rotation
+from harness.measure.group import GroupRequest, measure_group
 from harness.measure.intervals import median_interval, paired_ratio
 from harness.report.verdicts import compare, verdict
 from harness.run.grouping import form_groups
@@ -38,15 +38,6 @@ def test_paired_ratio_sees_a_constant_factor_through_drift():
     assert median_interval(slower).low < median_interval(drift).high
     with pytest.raises(ValueError):
         paired_ratio([1.0], [1.0, 2.0])
-
-
-def test_rotation_puts_every_member_in_every_slot():
-    members = 4
-    orders = [rotation(members, r) for r in range(2 * members)]
-    assert all(sorted(order) == list(range(members)) for order in orders)
-    for slot in range(members):
-        assert {order[slot] for order in orders} == set(range(members))
-    assert orders[1] == orders[0][::-1]
 
 
 @pytest.fixture(scope="module")

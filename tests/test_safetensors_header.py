@@ -58,7 +58,7 @@ def shifted(header: dict, by: int) -> None:
 @pytest.mark.parametrize("edit,says", [
     (lambda h: entry(h, data_offsets=[0]), "data_offsets must be a list of 2 JSON integers"),
     (lambda h: entry(h, data_offsets=["0", "2048"]), "data_offsets must be a list of 2 JSON integers"),
-    (lambda h: entry(h, data_offsets=None), "data_offsets must be a list of 2 JSON integers, each from 0"),
+    (lambda h: entry(h, data_offsets=None), "data_offsets is missing: it must be a list of 2 JSON integers"),
     (lambda h: entry(h, data_offsets=[0, 2048.0]), "data_offsets must be a list of 2 JSON integers"),
     (lambda h: entry(h, data_offsets=[-8, 2040]), "data_offsets must be a list of 2 JSON integers, each from 0"),
     (lambda h: entry(h, data_offsets=[2048, 0]), "hold -2,048 bytes"),

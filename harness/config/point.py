@@ -79,6 +79,9 @@ class Point:
     # content hash (None: seeded random ids). Left out of the key while random, so earlier points keep theirs.
     weights: str = "random"
     checkpoint_hash: Optional[str] = None
+    # How the checkpoint's tensors were stored and what they became in `dtype` ("gguf: Q4_1 x210, ...,
+    # dequantized to float32"; harness.run.inputs). Not in the key: the hash and the dtype decide it.
+    checkpoint_format: Optional[str] = None
     prompt: Optional[str] = None
     prompt_hash: Optional[str] = None
     # Approximate strategies: the exact strategy their accuracy is measured against, "<class path>:<backend>"
@@ -103,6 +106,7 @@ class Point:
         if not identity["hugepages"]:
             del identity["hugepages"]  # likewise for points on the default pages
         del identity["interleave"]  # how it was timed, not what: a re-run alone or in another group finds its row
+        del identity["checkpoint_format"]  # follows from checkpoint_hash and dtype
         _drop_defaults(identity, Point, POINT_FIELDS_KEYED_WHEN_SET)  # and for points of random weights and prompts
         _drop_defaults(identity["model"], ModelConfig, MODEL_FIELDS_KEYED_WHEN_SET)
         return identity

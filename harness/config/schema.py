@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Optional
 @dataclass
 class ModelConfig:
     """Shape of a Llama-3-style decoder. Weights are random (seeded; only the shape matters), or a
-    checkpoint's, whose config.json then gives the shape."""
+    checkpoint's, whose config.json (a GGUF file's metadata) then gives the shape."""
 
     ROW_PREFIX: ClassVar[str] = ""  # rows name these columns as they are: d_model, n_layers, ...
 
@@ -35,7 +35,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     # The fields below are a real checkpoint's, filled from its config.json when `checkpoint` is set
     # (harness.model.checkpoint); left at their defaults they change nothing (nor a point's key).
-    checkpoint: Optional[str] = None  # Hugging Face format folder (config.json, *.safetensors); None: seeded random weights
+    checkpoint: Optional[str] = None  # Hugging Face format folder (config.json, *.safetensors) or GGUF file, a path or pkg:PACKAGE/FILE; None: seeded random weights
     attention_bias: bool = False  # the q, k and v projections carry a bias (Qwen2)
     tie_embeddings: bool = False  # the output head is the embedding table (tie_word_embeddings)
     rope_scaling: Optional[str] = None  # None, or llama3: Llama 3.1's frequency-dependent RoPE stretch
@@ -86,7 +86,7 @@ class RunConfig:
     device: str = "auto"  # auto|cpu|cuda; auto is cuda when available
     dtype: str = "auto"  # auto|float32|bfloat16|float16; auto is bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # seeds weights and prompt tokens
-    prompt: Optional[str] = None  # file of prompt tokens (ids as .json/.npy, or text through the checkpoint's tokenizer.json); None: seeded random ids
+    prompt: Optional[str] = None  # file of prompt tokens (ids as .json/.npy, or text through the checkpoint's own tokenizer); None: seeded random ids
     prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
     matmul: str = "auto"  # auto|aten|onednn|c: linear kernel; auto on a CPU: c in fp32 at batch <= 16, else oneDNN-packed where supported
     compile: str = "none"  # none|inductor: decode steps through torch.compile (CUDA: reduce-overhead; CPU: C++ codegen)

@@ -4,10 +4,10 @@ Types and unknown keys are enforced by the schemas (harness.config.schema) while
 module checks values: known names, sizes that are positive and fit a 64-bit integer, shapes that can
 exist, modes that fit the device, every number of the whole tree bounded (`bounded_tree`: integers
 fit int64, floats are finite, strategy options included), a `_target_` that imports (`target_class`),
-and the folders a tool reads (`input_folder`) or writes (`output_folder`). The runner, the analytic
-CLI and the report call the same functions. Every failure is a ConfigError naming the key and what
-is allowed. A strategy checks its own options (strategies.base.Strategy); this module knows no
-strategy.
+the folders a tool reads (`input_folder`) or writes (`output_folder`), and where a checkpoint is
+(`checkpoint_path`). The runner, the analytic CLI and the report call the same functions. Every
+failure is a ConfigError naming the key and what is allowed. A strategy checks its own options
+(strategies.base.Strategy); this module knows no strategy.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Optional
+
+from harness.config.paths import LocationError, checkpoint_location
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -152,6 +154,21 @@ def _existing(key: str, value: Any, folder: bool) -> Path:
             what = "no folder" if folder else "no file"
         raise ConfigError(key, f"'{path}' is {what}")
     return path
+
+
+def checkpoint_path(key: str, value: Any) -> Path:
+    """A checkpoint a point loads: a folder (Hugging Face format) or a `.gguf` file, named by its path or
+    as `pkg:PACKAGE/FILE` (harness.config.paths.checkpoint_location). Its contents are
+    harness.model.checkpoint's to check."""
+    try:
+        path = checkpoint_location(_path_text(key, value))
+    except LocationError as error:
+        raise ConfigError(key, str(error)) from None
+    if not path.exists():
+        raise ConfigError(key, f"'{path}' is no folder or file")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(key, f"'{path}' is a file, and not a .gguf one: name a Hugging Face format folder or a GGUF file")
+    return path if path.is_file() else _existing(key, str(path), folder=True)
 
 
 def output_folder(key: str, value: Any) -> Path:
@@ -298,7 +315,7 @@ def validate_run(cfg, cuda_available) -> None:
                                        "allocation, which this process has long made")
     validate_timing(cfg.timing)
     if cfg.model.get("checkpoint") is not None:  # its contents: harness.run.inputs, as the point resolves
-        input_folder("model.checkpoint", cfg.model.checkpoint)
+        checkpoint_path("model.checkpoint", cfg.model.checkpoint)
     if cfg.get("prompt") is not None:
         input_file("prompt", cfg.prompt)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)

@@ -68,13 +68,12 @@ class GraphedSteps:
         each graph writes the K/V of its own position, so a second pass repeats the first's work."""
         self.next = 0
 
-    def replay_next(self, token: torch.Tensor, timed: Callable) -> tuple[torch.Tensor, float]:
-        """The next decode step fed `token` [B]: replayed once untimed (a graph's first launch uploads
-        it to the device, which is not part of a step), then through `timed` (a StepTimer.time).
-        Returns (next token [B], seconds of the timed replay)."""
+    def prepare_next(self, token: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
+        """The next decode step fed `token` [B], replayed once untimed (a graph's first launch uploads
+        it to the device, which is not part of a step). Returns (the replay to time, the output token
+        [B] it writes; clone it after the replay)."""
         graph, next_token = self.graphs[self.next]
         self.next += 1
         self.token.copy_(token)
         graph.replay()  # idempotent: the same input writes the same K/V at the same position
-        _, seconds = timed(graph.replay)
-        return next_token.clone(), seconds
+        return graph.replay, next_token

@@ -4,16 +4,17 @@ strategy, matmul kernel or compile mode, timed together in one process so that t
 On a shared machine the bandwidth a step gets moves by tens of percent within minutes, so two points
 measured one after the other differ by the machine as much as by their strategies. A group removes
 that: one model per linear kernel, every member's session alive at once (harness.measure.member), and
-rounds in which every member takes one timed step at the round's decode position, in an order that
-rotates and reverses from round to round (no member always runs first, or always after the same other
-one). A pass over the `decode_tokens` positions is repeated (rewound, the same tokens) while another
-fits timing.rounds_budget_s, up to timing.max_passes.
-Each round also times the calibration's matrix-vector read (harness.measure.roofs.GemvRead), so every
-row carries the bandwidth the machine gave in its own window beside the calibrated best-of roof.
+rounds (harness.measure.rounds, the harness's one timing engine) in which every member takes one timed
+step at the round's decode position, in an order that rotates and reverses from round to round (no
+member always runs first, or always after the same other one). A pass over the `decode_tokens`
+positions is repeated (rewound, the same tokens) while another fits timing.rounds_budget_s, up to
+timing.max_passes. Each round also times the calibration's matrix-vector read
+(harness.measure.roofs.GemvRead), so every row carries the bandwidth the machine gave in its own
+window beside the calibrated best-of roof.
 
 After the rounds each member's step time gets its bootstrap interval, and each member other than the
 group's reference its round-by-round ratio to the reference with an interval
-(harness.measure.intervals). The reference is chosen by what members declare (could_be_reference): an
+(harness.measure.intervals, through harness.measure.rounds.Rounds). The reference is chosen by what members declare (could_be_reference): an
 exact cached strategy that ran, a plain contiguous layout first (reference_index).
 
 Runs inside one process of its own (harness.run.isolation). Returns one measured dict per member, in
@@ -21,20 +22,20 @@ the group's order; `harness.run.row` makes each a row.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from harness.config import CONTIGUOUS, Point
-from harness.measure.contention import CpuTimes, gpu_state, others_fraction_since
+from harness.measure.contention import gpu_state
 from harness.measure.compiled import graphs_compiled
 from harness.measure.device import device_name
-from harness.measure.intervals import METHOD as INTERVAL_METHOD, median_interval, paired_ratio
+from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.decoding import accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
+from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
 from harness.model import build_model
 from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
@@ -47,14 +48,6 @@ class GroupRequest:
     group_id: str  # names the group in every member's row
     members: tuple[Point, ...]  # same shape, device, dtype, batch, ctx, timing, threads, page size
     roof_kernel: str | None = None  # the calibration's best matrix-vector read (GemvRead.kernel); None: the fastest that runs
-
-
-def rotation(members: int, round_index: int) -> list[int]:
-    """The order of round `round_index`: rotated by half the round index, reversed every other round
-    (ABC, CBA, BCA, ACB, ...), so over the rounds every member runs in every slot and after every other."""
-    shift = (round_index // 2) % members
-    order = list(range(shift, members)) + list(range(shift))
-    return order[::-1] if round_index % 2 else order
 
 
 def could_be_reference(point: Point) -> bool:
@@ -113,8 +106,8 @@ class _GroupRun:
             except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
                 member.fail(error)
             ready += member.live
-        live = [m for m in self.members if m.live]
-        rounds = self.run_rounds(live, self.read_probe()) if live else None  # nothing to time when none set up
+        live = any(m.live for m in self.members)
+        rounds = self.run_rounds(self.read_probe()) if live else None  # nothing to time when none set up
         reference = reference_index(self.members)
         outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
                     for i, member in enumerate(self.members)]
@@ -139,44 +132,24 @@ class _GroupRun:
         first = self.request.members[0]
         kernels = gemv_kernels(first.device, first.dtype)
         kernel = self.request.roof_kernel if self.request.roof_kernel in kernels else kernels[-1]
-        probe = GemvRead(kernel, PROBE_BYTES[first.device], self.device, self.dtype)
-        probe()  # its first touch of the matrix stays out of the rounds
-        return probe
+        return GemvRead(kernel, PROBE_BYTES[first.device], self.device, self.dtype)
 
-    def run_rounds(self, live: list[Member], probe) -> dict:
+    def run_rounds(self, probe: GemvRead) -> dict:
         """Rounds over the decode positions: in each, every live member one timed step at the round's
         position, and the read probe once. A pass is decode_tokens rounds; passes repeat while one more
-        fits timing.rounds_budget_s, up to timing.max_passes."""
-        timing, positions = self.request.members[0].timing, self.request.members[0].decode_tokens
-        probe_seconds: list[float] = []
-        slots = live + [probe]
-        before, graphs_before, began = CpuTimes.now(), graphs_compiled(), time.monotonic()
-        passes = 0
-        while True:
-            for position in range(positions):
-                self._one_round(slots, passes * positions + position, position, probe, probe_seconds)
-            passes += 1
-            spent = time.monotonic() - began
-            if passes >= timing.max_passes or spent + spent / passes > timing.rounds_budget_s:
-                break
-        contention = others_fraction_since(before)  # the rounds, padded to a window /proc/stat resolves
+        fits timing.rounds_budget_s, up to timing.max_passes. A member whose step raises leaves them."""
+        first = self.request.members[0]
+        options = RoundsOptions(rounds=first.decode_tokens, max_passes=first.timing.max_passes,
+                                budget_s=first.timing.rounds_budget_s, warmup=0, keep_going=True)
+        graphs_before = graphs_compiled()
+        steps = {str(i): member.step() for i, member in enumerate(self.members) if member.live}  # named by index
+        rounds = time_rounds(steps, options, probe, self.timer)
         recompiles = graphs_compiled() - graphs_before  # before any other code can compile
         gpu = gpu_state(self.device.index or 0) if self.device.type == "cuda" else {}
         hugepages = anon_hugepages_bytes()  # what the pages were, whatever was asked, while every table is held
-        roof = median_interval([probe.nbytes / s for s in probe_seconds])
-        return {"count": passes * positions, "contention": contention, "recompiles": recompiles, "gpu": gpu,
-                "roof": roof, "roof_kernel": probe.kernel, "anon_hugepages_bytes": hugepages}
-
-    def _one_round(self, slots: list, round_index: int, position: int, probe, probe_seconds: list) -> None:
-        for slot in rotation(len(slots), round_index):
-            entrant = slots[slot]
-            if entrant is probe:
-                probe_seconds.append(self.timer.time(probe)[1])
-            elif entrant.live:
-                try:
-                    entrant.timed_step(position)
-                except Exception as error:  # noqa: BLE001
-                    entrant.fail(error)
+        for name, error in rounds.failures.items():
+            self.members[int(name)].fail(error)
+        return {"rounds": rounds, "recompiles": recompiles, "gpu": gpu, "anon_hugepages_bytes": hugepages}
 
     def outcome(self, index: int, member: Member, rounds: dict | None, reference: int | None,
                 process_baseline: int) -> dict:
@@ -185,16 +158,16 @@ class _GroupRun:
                  "device_name": device_name(self.device)}
         if not member.live:
             return {**member.outcome, **group}
-        return {**self._timed_columns(member, rounds), **group,
-                **self._ratio_columns(index, member, reference),
+        return {**self._timed_columns(index, member, rounds), **group,
+                **self._ratio_columns(index, rounds, reference),
                 **self._memory_columns(member, process_baseline),
                 "tokens_digest": tokens_digest(member.tokens()),
                 "tokens": member.tokens().cpu().tolist()}  # for tests and callers; not stored in the row
 
-    def _timed_columns(self, member: Member, rounds: dict) -> dict:
-        point, stats, prefill = member.point, member.step_stats(), member.prefill
-        step = median_interval(member.step_seconds)
-        roof = rounds["roof"]
+    def _timed_columns(self, index: int, member: Member, rounds: dict) -> dict:
+        timed: Rounds = rounds["rounds"]
+        point, stats, prefill = member.point, timed.stats(str(index)), member.prefill
+        step, roof = timed.median(str(index)), timed.roof
         return {
             "status": "ok", "reason": "", "kernel": member.kernel,
             "matmul_kernel": MATMUL_KERNELS[point.matmul],
@@ -207,19 +180,19 @@ class _GroupRun:
             "prefill_repeats": prefill.count if prefill else None,
             "decode_step_s": stats.p50, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
             "decode_step_ci_low_s": step.low, "decode_step_ci_high_s": step.high,
-            "decode_steps_timed": stats.count, "decode_step_times_s": list(member.step_seconds),
-            "rounds": rounds["count"], "interval_method": INTERVAL_METHOD,
+            "decode_steps_timed": stats.count, "decode_step_times_s": list(timed.seconds[str(index)]),
+            "rounds": timed.count, "interval_method": INTERVAL_METHOD,
             "warmup_steps": member.warmup_steps,
             "timing_method": self.timer.method + (", CUDA graph replay" if point.timing.cuda_graphs else "")
                              + (f", interleaved with {len(self.members) - 1} other(s) in rotating order"
                                 if len(self.members) > 1 else ""),
             "tokens_per_s": point.batch / stats.p50,
-            "contention": rounds["contention"], **rounds["gpu"],
+            "contention": timed.contention, **rounds["gpu"],
             "roof_bandwidth_in_rounds_Bps": roof.median if roof else None,
-            "roof_in_rounds_kernel": rounds["roof_kernel"], "anon_hugepages_bytes": rounds["anon_hugepages_bytes"],
+            "roof_in_rounds_kernel": timed.roof_kernel, "anon_hugepages_bytes": rounds["anon_hugepages_bytes"],
         }
 
-    def _ratio_columns(self, index: int, member: Member, reference: int | None) -> dict:
+    def _ratio_columns(self, index: int, rounds: dict, reference: int | None) -> dict:
         columns = {"group_reference": None, "group_reference_key": None, "ratio_to_reference": None,
                    "ratio_ci_low": None, "ratio_ci_high": None}
         if reference is None:
@@ -227,7 +200,7 @@ class _GroupRun:
         partner = self.members[reference].point
         columns.update(group_reference=partner.strategy.name, group_reference_key=partner.key)
         if reference != index:
-            ratio = paired_ratio(member.step_seconds, self.members[reference].step_seconds)
+            ratio = rounds["rounds"].ratio(str(index), str(reference))
             columns.update(ratio_to_reference=ratio.median, ratio_ci_low=ratio.low, ratio_ci_high=ratio.high)
         return columns
 

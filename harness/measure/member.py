@@ -6,8 +6,8 @@ position (the prompt timed, harness.measure.decoding.start_decode), compiled or 
 where the point asks, and warmed up at that position. Its own peak memory is read over exactly this
 set-up (harness.measure.memory.PeakTracker started right before it): the session's tables, the
 prompt's transients and warm-up steps, above whatever the model and the members set up earlier hold.
-The rounds then call `timed_step` once per round. A member whose set-up or step raises keeps its
-failure (`outcome`) and leaves the rounds; the others go on.
+The rounds (harness.measure.rounds) then time `step()` once per round. A member whose set-up or step
+raises keeps its failure (`outcome`) and leaves the rounds; the others go on.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from harness.measure.compiled import CompiledSteps
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
 from harness.measure.decoding import not_run, start_decode
-from harness.measure.timing import StepStats, StepTimer, warm_up
+from harness.measure.rounds import Step
+from harness.measure.timing import StepTimer, warm_up
 from strategies.base import StrategyUnavailable
 
 PEAK_METHOD = {
@@ -32,12 +33,12 @@ PEAK_METHOD = {
 
 
 class Member:
-    """A point of a group and, once set up, its live session and the times of its timed steps."""
+    """A point of a group and, once set up, its live session and the tokens its steps generated."""
 
     def __init__(self, point: Point):
         self.point = point
         self.outcome: dict | None = None  # set when the member is skipped or failed: its whole measured dict
-        self.step_seconds: list[float] = []  # one per round, in round order
+        self.steps_taken = 0  # timed steps so far: the round index of the next one
         self.generated: list[torch.Tensor] = []  # [B] per position, the first decode token first
         self.strategy = None
         self.session = None
@@ -49,8 +50,8 @@ class Member:
     def fail(self, error: BaseException) -> None:
         """Leave the rounds with the error as this member's failed outcome; its session is freed."""
         self.outcome = {"status": "failed", "reason": f"{type(error).__name__}: {error}",
-                        "traceback": traceback.format_exc()}
-        self.session = self._timed = self._graphed = None
+                        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
+        self.session = self._graphed = None
 
     def set_up(self, model, model_bytes: int, timer: StepTimer, beside: int = 0) -> None:
         """Resolve, build, prefill, compile or capture, warm up; read the member's own peak. On a reason
@@ -84,46 +85,52 @@ class Member:
 
     def _warm_up(self, timer: StepTimer) -> int:
         """Warm-up steps at the first decode position (the session rewound after each: the tokens stay
-        the reference's); sets `_timed`, the callable of one timed step."""
+        the reference's)."""
         t, session, first_token = self.point.timing, self.session, self.generated[0]
         self._graphed = None
         if t.cuda_graphs:
             graphed = self._graphed = GraphedSteps(session, first_token, self.point.decode_tokens)  # every step, up front
-            self._timed = lambda token: graphed.replay_next(token, timer.time)
             return EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min, t.warmup_max,
                                                 t.settle_tolerance)
-        step = self.compiled.step if self.compiled else session.step  # the prompt ran eager either way
+        self._eager_step = self.compiled.step if self.compiled else session.step  # the prompt ran eager either way
 
         def first_step_again() -> float:
-            _, seconds = timer.time(lambda: step(first_token))
+            _, seconds = timer.time(lambda: self._eager_step(first_token))
             session.rewind(self.point.ctx)
             return seconds
 
-        self._timed = lambda token: timer.time(lambda: step(token).argmax(-1))
         return warm_up(first_step_again, t.warmup_min, t.warmup_max, t.settle_tolerance)
 
-    def timed_step(self, position: int) -> None:
-        """One timed decode step at decode position `position` (0 .. decode_tokens - 1). The first pass
-        over the positions generates the tokens; a later pass rewinds the session at position 0 and
-        feeds the first pass's tokens again (the same computation), its outputs dropped."""
-        replay = len(self.step_seconds) >= self.point.decode_tokens
-        if replay and position == 0:
+    def step(self) -> Step:
+        """The member's entrant in the group's rounds: one decode step at the round's position (0 ..
+        decode_tokens - 1), its input token prepared outside the timed call. The first pass over the
+        positions generates the tokens; a later pass rewinds the session at position 0 and feeds the
+        first pass's tokens again (the same computation), its outputs dropped."""
+        return Step(run=lambda: self._call(), before=self._prepare, after=self._record)
+
+    def _prepare(self) -> None:
+        position = self.steps_taken % self.point.decode_tokens
+        if self.steps_taken >= self.point.decode_tokens and position == 0:
             self.session.rewind(self.point.ctx)
             if self._graphed is not None:
                 self._graphed.restart()
-        token, seconds = self._timed(self.generated[position])
-        if not replay:
-            self.generated.append(token)
-        self.step_seconds.append(seconds)
+        token = self.generated[position]
+        if self._graphed is not None:
+            self._call, self._next_token = self._graphed.prepare_next(token)
+        else:
+            step = self._eager_step
+            self._call, self._next_token = (lambda: step(token).argmax(-1)), None
+
+    def _record(self, output) -> None:
+        if self.steps_taken < self.point.decode_tokens:  # the first pass: the generated tokens
+            self.generated.append(output if self._next_token is None else self._next_token.clone())
+        self.steps_taken += 1
 
     def release(self) -> dict:
         """Free the session; returns what only the live session knew (cache bytes)."""
         cache_bytes = self.session.kv_cache_bytes
-        self.session = self._timed = self._graphed = None
+        self.session = self._graphed = self._call = None
         return {"kv_cache_bytes": cache_bytes}
-
-    def step_stats(self) -> StepStats:
-        return StepStats.of(self.step_seconds)
 
     def tokens(self) -> torch.Tensor:
         return torch.stack(self.generated, dim=1)  # [B, decode_tokens + 1]: the first pass's

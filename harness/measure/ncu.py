@@ -54,15 +54,6 @@ def ncu_executable() -> str | None:
     return os.environ.get(NCU_ENV) or shutil.which("ncu")
 
 
-def ncu_available() -> bool:
-    """CUDA visible to torch and ncu on PATH (or named by $HARNESS_NCU)."""
-    if ncu_executable() is None:
-        return False
-    import torch  # here, not at import: the parser and its tests need no torch
-
-    return torch.cuda.is_available()
-
-
 def ncu_command(program_argv: list[str], ncu: str = "ncu") -> list[str]:
     """The Nsight Compute command around `program_argv`: DRAM bytes read and written per kernel,
     restricted to the NVTX range, as raw CSV.

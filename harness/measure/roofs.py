@@ -15,10 +15,10 @@ whose other process held a core for the whole run.
 from __future__ import annotations
 
 import socket
-import time
 from datetime import datetime, timezone
 
 from harness.measure.contention import CpuTimes, others_fraction
+from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.store.calibration import Calibration, best_gemv
 
 REPEATS = 10
@@ -81,8 +81,8 @@ def measure_within(request: tuple[str, str, float]) -> Calibration:
 
 
 class _BestOf:
-    """Times a kernel: a warm-up, then up to REPEATS timed runs until its `share` of the budget is
-    spent; the best time stands. `repeats` records the timed runs of each kernel in order."""
+    """Times a kernel (harness.measure.rounds): a warm-up, then up to REPEATS timed runs while another
+    fits its `share` of the budget; the best time stands. `repeats` records the timed runs of each kernel."""
 
     def __init__(self, timer, share: float):
         self.timer = timer
@@ -90,11 +90,8 @@ class _BestOf:
         self.repeats: list[int] = []
 
     def seconds(self, kernel) -> float:
-        start = time.monotonic()
-        kernel()
-        times = [self.timer.time(kernel)[1]]
-        while len(times) < REPEATS and time.monotonic() - start < self.share:
-            times.append(self.timer.time(kernel)[1])
+        options = RoundsOptions(rounds=1, max_passes=REPEATS, budget_s=self.share, read_contention=False)
+        times = time_rounds({"kernel": kernel}, options, timer=self.timer).seconds["kernel"]
         self.repeats.append(len(times))
         return min(times)
 

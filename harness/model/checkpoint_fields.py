@@ -133,9 +133,7 @@ def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Whe
     checked: dict[str, Any] = {}
     for field in table:
         name, value = prefix + field.name, values.get(field.name)
-        if value is None and field.default is REQUIRED:
-            if field.name in values:
-                raise CheckpointError(f"{where(name)} must be {field.describe()}, got null")
+        if value is None and field.default is REQUIRED:  # absent or null alike (a mapped format's absent key is None)
             raise CheckpointError(f"{where(name)} is missing: it must be {field.describe()}")
         if value is None:
             checked[field.name] = field.default

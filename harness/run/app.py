@@ -160,11 +160,14 @@ def main() -> int:
     register_schemas()
     if not needs_preflight(argv):
         try:
-            check_printed_config(argv)
+            check_printed_config(argv)  # --cfg job --resolve: an interpolation that does not resolve
+            run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        except ValueError as error:  # Hydra's refusal of its own flags (two modes at once, an unknown --cfg kind)
+            print(f"error: command line: {str(error).splitlines()[0]}", file=sys.stderr)
+            return 2
         return 0
     try:
         the_plan = plan(argv, cuda_available)

@@ -2,8 +2,8 @@
 
 Hydra composes each job of a multirun only when that job starts, so a bad value in the fifth point of
 a sweep would otherwise surface after four points were written. Here the whole sweep is expanded the
-way Hydra's BasicSweeper expands it (its own `split_arguments`, with the config loader that glob()
-sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
+way Hydra's basic sweeper expands it (`sweep_jobs`: the product of each sweep override's values, through
+Hydra's public override parser with the config loader that glob() sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
 same checks the analytic CLI and the report use) and resolved into its Point (harness.run.resolve),
 and the first problem ends the run with one line and exit code 2, before a file is written. Each
 point is composed and resolved here once; Hydra's job then finds its Point by its overrides
@@ -21,6 +21,7 @@ its jobs may run in another working directory, so results_dir must then be absol
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
@@ -167,7 +167,7 @@ class _CommandLine:
 
 def _command_line(argv: list[str]) -> _CommandLine:
     """Parse and compose the command line, check the Hydra keys it sets and where output goes, and
-    expand the sweep the way Hydra's BasicSweeper will."""
+    expand the sweep the way Hydra's basic sweeper will."""
     overrides = [arg for arg in argv if not arg.startswith("-")]
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
     parsed = _parse(parser, overrides)
@@ -191,15 +191,28 @@ def _command_line(argv: list[str]) -> _CommandLine:
     params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
     expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
     _check_hydra_keys(expanded)
-    try:
-        job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
-    except HydraException as error:
-        raise ConfigError("command line", _first_line(error)) from None
+    job_overrides = sweep_jobs(expanded)
     if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
         with open_dict(base):
             del base["hydra"]
     in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
     return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
+
+
+def sweep_jobs(overrides: list) -> list[list[str]]:
+    """Every job's overrides, as Hydra's basic sweeper makes them: a key set twice keeps its first place
+    and its last value, and the jobs are the product of the keys' values, the first key varying slowest."""
+    values_by_key: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values_by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values_by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:  # interval(): a continuous range, which only a sampling sweeper (Optuna, Nevergrad) can draw from
+            raise ConfigError(key, "interval() is a continuous range this sweep cannot enumerate; list the values "
+                                   "(a,b,c) or give range(start,stop,step)")
+    return [list(job) for job in itertools.product(*values_by_key.values())]
 
 
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:

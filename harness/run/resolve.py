@@ -101,9 +101,9 @@ def point_from_config(cfg) -> Point:
     model = dataclasses.replace(model, head_dim=model.resolved_head_dim)  # resolved: no None left in a point
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     max_len = cfg.ctx + cfg.decode_tokens
-    checkpoint_hash = None
+    checkpoint_hash = checkpoint_format = None
     if model.checkpoint is not None:  # its shape replaces the preset's (harness.run.inputs)
-        model, checkpoint_hash = checkpoint_shape(model, dtype, device, max_len)
+        model, checkpoint_hash, checkpoint_format = checkpoint_shape(model, dtype, device, max_len)
     strategy = resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs)
     prompt = str(Path(cfg.prompt).expanduser().resolve()) if cfg.get("prompt") is not None else None
     return Point(
@@ -125,6 +125,7 @@ def point_from_config(cfg) -> Point:
         hugepages=cfg.hugepages,
         weights="checkpoint" if checkpoint_hash is not None else "random",
         checkpoint_hash=checkpoint_hash,
+        checkpoint_format=checkpoint_format,
         prompt=prompt,
         prompt_hash=prompt_source(prompt, model, cfg.prefill, cfg.batch, cfg.ctx, cfg.decode_tokens) if prompt else None,
         reference=accuracy_reference(strategy, model, device, dtype),

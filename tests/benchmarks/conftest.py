@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from harness.config import ModelConfig
 from harness.measure.contention import CpuTimes, others_fraction  # noqa: F401 (others_fraction: for the suite)
-from harness.measure.group import rotation
+from harness.measure.rounds import rotation
 from harness.measure.intervals import paired_ratio
 from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
