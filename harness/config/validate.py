@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -250,6 +251,33 @@ def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
     positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
+
+
+def interpolations_resolve(cfg, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Every `${...}` of a composed config resolves, each to a value of its key's type: ConfigError
+    naming the first key whose interpolation does not (an unset environment variable, an unknown
+    resolver, a key that does not exist, a cycle), with the text given and why. Checked before
+    anything reads a value, since the read would raise OmegaConf's own error (a traceback). `skip`:
+    keys left unchecked (Hydra's own node, whose job fields are set only when a job runs)."""
+    from omegaconf import DictConfig, OmegaConf  # imported here: this module stays free of omegaconf at import
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+    keys = list(cfg.keys()) if isinstance(cfg, DictConfig) else list(range(len(cfg)))
+    for key in keys:
+        name = f"{prefix}.{key}" if prefix and isinstance(key, str) else f"{prefix}[{key}]" if prefix else str(key)
+        if name in skip:
+            continue
+        try:
+            value = cfg[key]
+        except MissingMandatoryValue:
+            raise ConfigError(name, "is missing ('???'): give it a value") from None
+        except OmegaConfBaseException as error:
+            raw = OmegaConf.to_container(cfg, resolve=False)[key]
+            problem = "gives a value of the wrong type" if isinstance(error, ValidationError) else "does not resolve"
+            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(error).strip().splitlines()[0])
+            raise ConfigError(name, f"{raw!r} {problem}: {reason}") from None
+        if OmegaConf.is_config(value) and not OmegaConf.is_interpolation(cfg, key):  # a reference: checked where it points
+            interpolations_resolve(value, name, skip)
 
 
 def _plain(cfg) -> Any:

@@ -41,7 +41,8 @@ from harness.run.execute import PROGRESS, clock, measure_planned, measure_planne
 from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
 from harness.run.closing import closing_line  # noqa: E402
-from harness.run.plan import CONFIG_DIR, CONFIG_NAME, PlannedPoint, needs_preflight, plan  # noqa: E402
+from harness.run.plan import (CONFIG_DIR, CONFIG_NAME, PlannedPoint, check_printed_config,  # noqa: E402
+                              needs_preflight, plan)
 from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
 
@@ -159,7 +160,11 @@ def main() -> int:
     register_schemas()
     if not needs_preflight(argv):
         try:
+            check_printed_config(argv)  # --cfg job --resolve: an interpolation that does not resolve
             run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         except ValueError as error:  # Hydra's refusal of its own flags (two modes at once, an unknown --cfg kind)
             print(f"error: command line: {str(error).splitlines()[0]}", file=sys.stderr)
             return 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -37,7 +38,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
+from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, interpolations_resolve, output_folder,
+                                     safe_name, validate_run)
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
 from harness.run.grouping import form_groups
@@ -53,6 +55,7 @@ RUN_FLAGS = ("-r", "--run")
 # Flags after which Hydra does something other than run points (help, print config, shell completion).
 PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                       "--shell-completion", "-sc", "--resolve", "--package", "-p")
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through flags followed by their value
 # Hydra keys a command line may set: none of them moves the working directory or the output.
 HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
 LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
@@ -117,6 +120,19 @@ class Plan:
 
 def needs_preflight(argv: list[str]) -> bool:
     return not any(arg.split("=", 1)[0] in PASS_THROUGH_FLAGS for arg in argv)
+
+
+def check_printed_config(argv: list[str]) -> None:
+    """`--cfg job --resolve` prints the config with its interpolations resolved: ConfigError in one line,
+    as for a run, for one that does not resolve (Hydra's own answer is a traceback)."""
+    if "--resolve" not in argv:
+        return
+    register_schemas()
+    flag_values = [i + 1 for i, arg in enumerate(argv) if arg in VALUE_FLAGS]  # `--cfg job`: job is no override
+    overrides = [arg for i, arg in enumerate(argv) if not arg.startswith("-") and i not in flag_values]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        _compose([o.input_line for o in _parse(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
 
 
 def plan(argv: list[str], cuda_available) -> Plan:
@@ -217,6 +233,7 @@ def sweep_jobs(overrides: list) -> list[list[str]]:
 
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One job composed (once per job in a sweep), validated and resolved into its point."""
+    _check_job_options(job)
     cfg = command.base if not command.multirun else _compose(job, with_hydra=True)
     variant = variant_of(cfg, job, lambda overrides: _compose(overrides, with_hydra=False), command.as_chosen)
     with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
@@ -227,7 +244,6 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
     if str(cfg.interleave) != str(command.base.interleave) or cfg.repeats != command.base.repeats:
         raise ConfigError("interleave" if str(cfg.interleave) != str(command.base.interleave) else "repeats",
                           "how a sweep's points are grouped is one choice per command line: set it outside the sweep")
-    _check_job_options(job)
     try:
         validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
         point = point_from_config(cfg, variant)
@@ -343,11 +359,16 @@ def _check_output_settings(composed, launcher: list[str]) -> None:
 
 def _compose(overrides: list[str], with_hydra: bool):
     try:
-        return compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
+        cfg = compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
     except MissingConfigException as error:
         raise _missing_option(error) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise _composition_error(error) from None
+    # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
+    # (its other fields are filled as a job starts).
+    settable = {re.split(r"[./]", key)[1] for key in HYDRA_KEYS_ALLOWED}
+    interpolations_resolve(cfg, skip=tuple(f"hydra.{key}" for key in cfg.get("hydra", {}) if key not in settable))
+    return cfg
 
 
 def _missing_option(error: MissingConfigException) -> ConfigError:
