@@ -33,12 +33,13 @@ import torch
 
 from harness.analysis import analytic
 from harness.measure.memory import anon_hugepages_bytes, use_hugepages
+from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import build_model
 from strategies.contiguous import ContiguousStrategy
 from strategies.dynamic import DynamicStrategy
 from strategies.paged import PagedStrategy
 from strategies.static_full import StaticFullStrategy
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl, interleaved_medians
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -47,6 +48,7 @@ DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 POINT = dataclasses.replace(POINTS["heavy"], name="cache_bound", ctx=8192)
 ROUNDS = 15
 PAGE_SIZES = {"4 KiB": False, "2 MiB": True}  # label -> hugepages (each measured in a fresh process)
+RESOLUTION = 0.10  # each layout's ratio to contiguous must be known within this (its 95% interval's half-width)
 
 
 def layouts() -> dict:
@@ -81,8 +83,9 @@ class CopyKernel:
 def measure_layouts(hugepages: bool) -> dict:
     """Every layout's step, the copy kernel and the memory control in interleaved rounds, in this
     process, which must be a fresh one when `hugepages` (torch reads the variable at its first
-    allocation). Returns the medians, the bandwidths derived from them, the others' CPU share and the
-    bytes this process held on huge pages, which says whether the pages asked for were granted."""
+    allocation). Returns the medians, each layout's paired ratio to contiguous, the bandwidths derived
+    from them, the others' CPU share and the bytes this process held on huge pages, which says whether
+    the pages asked for were granted."""
     if hugepages:
         use_hugepages()
     with torch.inference_mode():
@@ -98,8 +101,9 @@ def measure_layouts(hugepages: bool) -> dict:
             kernels[name] = lambda s=session: s.step(token)
         copy, memory = CopyKernel(), MemoryControl()
         kernels["copy"], kernels["memory_control"] = copy, memory
-        medians, contention = interleaved_medians(kernels, ROUNDS)
-    return {"medians": medians, "copy_Bps": copy.bytes_moved / medians["copy"],
+        rounds = time_rounds(kernels, RoundsOptions(rounds=ROUNDS, reference="contiguous"))
+    medians, contention = rounds.medians(), rounds.contention
+    return {"medians": medians, "ratios": rounds.ratios(), "copy_Bps": copy.bytes_moved / medians["copy"],
             "bandwidth_Bps": memory.nbytes / medians["memory_control"], "contention": contention,
             "hugepage_bytes": anon_hugepages_bytes()}
 
@@ -134,17 +138,27 @@ def test_the_point_is_cache_dominated():
     assert bytes_["cache_read"] >= 3 * bytes_["weights"]
 
 
-def test_report_every_layout(by_page_size):
+def test_every_layout_is_timed_on_both_page_sizes_and_resolved(by_page_size):
+    """Prints the table; every layout that runs here has a step on both page sizes, and its ratio to
+    contiguous is resolved within RESOLUTION (else the printed ratios are noise: rerun on an idle machine)."""
+    runs_here = {name for name, strategy in layouts().items()
+                 if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is not None}
+    unresolved = []
     for pages, run in by_page_size.items():
-        m = run["medians"]
+        m, ratios = run["medians"], run["ratios"]
         print(f"\n{pages} pages ({(run['hugepage_bytes'] or 0) / 2**20:.0f} MiB on huge pages), heavy point: "
               f"B={POINT.batch} ctx={POINT.ctx}; memory control {run['bandwidth_Bps'] / 1e9:.1f} GB/s, "
               f"copy {run['copy_Bps'] / 1e9:.1f} GB/s (read + write); others took {run['contention']:.0%} of the CPUs")
+        assert runs_here <= set(m), f"{pages}: no step of {sorted(runs_here - set(m))}"
         for name, strategy in layouts().items():
             if name in m:
-                total = step_bytes(strategy)["total"]
-                print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous  "
+                total, ratio = step_bytes(strategy)["total"], ratios.get(name)
+                interval = f"[{ratio.low:.2f}, {ratio.high:.2f}]" if ratio else "reference"
+                print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous {interval:>14s}  "
                       f"{total / 1e6:8.1f} MB/step  {total / m[name] / 1e9:5.1f} GB/s")
+                if ratio and ratio.half_width > RESOLUTION:
+                    unresolved.append(f"{pages} {name} {ratio.median:.2f} [{ratio.low:.2f}, {ratio.high:.2f}]")
+    assert not unresolved, f"ratios to contiguous not resolved within {RESOLUTION:.0%}: {'; '.join(unresolved)}"
 
 
 @pytest.mark.parametrize("name,limit", [("paged16", 1.10), ("paged64", 1.05)])
