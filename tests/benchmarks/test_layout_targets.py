@@ -48,7 +48,6 @@ DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 POINT = dataclasses.replace(POINTS["heavy"], name="cache_bound", ctx=8192)
 ROUNDS = 15
 PAGE_SIZES = {"4 KiB": False, "2 MiB": True}  # label -> hugepages (each measured in a fresh process)
-RESOLUTION = 0.10  # each layout's ratio to contiguous must be known within this (its 95% interval's half-width)
 
 
 def layouts() -> dict:
@@ -138,27 +137,30 @@ def test_the_point_is_cache_dominated():
     assert bytes_["cache_read"] >= 3 * bytes_["weights"]
 
 
-def test_every_layout_is_timed_on_both_page_sizes_and_resolved(by_page_size):
-    """Prints the table; every layout that runs here has a step on both page sizes, and its ratio to
-    contiguous is resolved within RESOLUTION (else the printed ratios are noise: rerun on an idle machine)."""
+def test_every_layout_is_timed_on_the_pages_its_label_says(by_page_size):
+    """Prints the table (each ratio with its paired interval). Every layout that runs here has a step in
+    both runs, and the two runs differ in what their labels say: the 4 KiB run held at most a tenth of
+    the 2 MiB run's bytes on huge pages (with transparent huge pages set to `always`, it would hold as
+    many, and its figures would not be 4 KiB pages')."""
     runs_here = {name for name, strategy in layouts().items()
                  if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is not None}
-    unresolved = []
     for pages, run in by_page_size.items():
         m, ratios = run["medians"], run["ratios"]
         print(f"\n{pages} pages ({(run['hugepage_bytes'] or 0) / 2**20:.0f} MiB on huge pages), heavy point: "
               f"B={POINT.batch} ctx={POINT.ctx}; memory control {run['bandwidth_Bps'] / 1e9:.1f} GB/s, "
               f"copy {run['copy_Bps'] / 1e9:.1f} GB/s (read + write); others took {run['contention']:.0%} of the CPUs")
-        assert runs_here <= set(m), f"{pages}: no step of {sorted(runs_here - set(m))}"
         for name, strategy in layouts().items():
             if name in m:
                 total, ratio = step_bytes(strategy)["total"], ratios.get(name)
                 interval = f"[{ratio.low:.2f}, {ratio.high:.2f}]" if ratio else "reference"
                 print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous {interval:>14s}  "
                       f"{total / 1e6:8.1f} MB/step  {total / m[name] / 1e9:5.1f} GB/s")
-                if ratio and ratio.half_width > RESOLUTION:
-                    unresolved.append(f"{pages} {name} {ratio.median:.2f} [{ratio.low:.2f}, {ratio.high:.2f}]")
-    assert not unresolved, f"ratios to contiguous not resolved within {RESOLUTION:.0%}: {'; '.join(unresolved)}"
+        assert runs_here <= set(m), f"{pages}: no step of {sorted(runs_here - set(m))}"
+    small, huge = (by_page_size[pages]["hugepage_bytes"] or 0 for pages in PAGE_SIZES)
+    if not huge:
+        pytest.skip("no transparent huge pages were granted here (/sys/kernel/mm/transparent_hugepage/enabled)")
+    assert small <= huge / 10, (f"the 4 KiB run held {small / 2**20:.0f} MiB on huge pages, the 2 MiB run "
+                                f"{huge / 2**20:.0f} MiB: the page sizes did not differ as labelled")
 
 
 @pytest.mark.parametrize("name,limit", [("paged16", 1.10), ("paged64", 1.05)])
