@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harness.run.plan import plan
-from harness.store.files import finished_keys
+from harness.store.files import finished_rows
 from tests.conftest import REPO_ROOT
 
 from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
@@ -35,10 +35,10 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
 def test_a_truncated_or_two_row_file_is_not_finished(tmp_path):
     point = planned()[0].point
     path = plant_row(tmp_path, point)
-    assert finished_row(tmp_path, point.key).status == "ok" and point.key in finished_keys(tmp_path)
+    assert finished_row(tmp_path, point.key).status == "ok" and point.key in finished_rows(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    assert finished_row(tmp_path, point.key) is None and point.key not in finished_keys(tmp_path)
+    assert finished_row(tmp_path, point.key) is None and point.key not in finished_rows(tmp_path)
     path.write_bytes(b"")
     assert finished_row(tmp_path, point.key) is None
     import pyarrow as pa

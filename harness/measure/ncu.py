@@ -54,15 +54,6 @@ def ncu_executable() -> str | None:
     return os.environ.get(NCU_ENV) or shutil.which("ncu")
 
 
-def ncu_available() -> bool:
-    """CUDA visible to torch and ncu on PATH (or named by $HARNESS_NCU)."""
-    if ncu_executable() is None:
-        return False
-    import torch  # here, not at import: the parser and its tests need no torch
-
-    return torch.cuda.is_available()
-
-
 def ncu_command(program_argv: list[str], ncu: str = "ncu") -> list[str]:
     """The Nsight Compute command around `program_argv`: DRAM bytes read and written per kernel,
     restricted to the NVTX range, as raw CSV.
@@ -138,7 +129,7 @@ def measure_traffic(point: Point, ncu: str | None = None, timeout: float = 3600.
     ncu = ncu or ncu_executable()
     if ncu is None:
         raise RuntimeError("traffic=ncu needs Nsight Compute: no `ncu` on PATH and $HARNESS_NCU unset")
-    program = [sys.executable, "-m", "harness.measure.ncu_target", json.dumps(point.identity())]
+    program = [sys.executable, "-m", "harness.measure.ncu_target", json.dumps(point.record())]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),

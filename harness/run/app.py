@@ -157,7 +157,11 @@ def main() -> int:
     argv = sys.argv[1:]
     register_schemas()
     if not needs_preflight(argv):
-        run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        try:
+            run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        except ValueError as error:  # Hydra's refusal of its own flags (two modes at once, an unknown --cfg kind)
+            print(f"error: command line: {str(error).splitlines()[0]}", file=sys.stderr)
+            return 2
         return 0
     try:
         the_plan = plan(argv, cuda_available)

@@ -29,7 +29,9 @@ TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
 
 
 def row_filename(row: dict) -> str:
-    return f"{row['strategy']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
+    """Named by the strategy's class (`strategy_family`), not its variant name: one point has one file
+    whichever variant name measured it (a variant and the same options set by hand share the key)."""
+    return f"{row['strategy_family']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,6 @@ def read_finished(path: Path) -> FinishedRow | None:
     return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"))
 
 
-def _holds_one_row(path: Path) -> bool:
-    return read_finished(path) is not None
-
-
 def finished_row(results_dir: str | Path, key: str) -> FinishedRow | None:
     """The finished row of the point with this key, or None: the one definition of a finished point
     (a file whose name carries the key, that reads, and that holds one row)."""
@@ -82,11 +80,6 @@ def finished_rows(results_dir: str | Path) -> dict[str, FinishedRow]:
         if match and match.group(1) not in rows and (row := read_finished(path)) is not None:
             rows[match.group(1)] = row
     return rows
-
-
-def finished_keys(results_dir: str | Path) -> set[str]:
-    """Keys of the points that already have a complete row file."""
-    return set(finished_rows(results_dir))
 
 
 def row_table(row: dict) -> pa.Table:

@@ -1,0 +1,124 @@
+"""The metadata of a checkpoint's weights, checked before a tensor is read: each safetensors file's
+header, and the index (`model.safetensors.index.json`) that names the files of a sharded checkpoint.
+
+A safetensors file is 8 bytes of header length (little-endian), the header (a JSON object: each
+tensor's name -> its dtype, shape and data_offsets, plus an optional `__metadata__` of strings), then
+the tensors' bytes. Each entry is checked against TENSOR_FIELDS (harness.model.checkpoint_fields, the
+rules every metadata field follows), then against the file as safetensors itself checks it before it
+reads a byte: data_offsets [begin, end] hold exactly shape x dtype's bytes, and the tensors lie end
+to end over exactly the file's data. So a header this module accepts is one safetensors opens.
+
+The index is a JSON object whose `weight_map` maps each tensor's name to the file holding it: a plain
+file name ending in .safetensors, in the checkpoint's folder (never a path out of it). Its `metadata`,
+if present, is an object; nothing in it is read.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Optional
+
+from harness.model.checkpoint_fields import CheckpointError, Field, checked_fields, json_object, read_json_object, shown
+
+INDEX = "model.safetensors.index.json"
+HEADER_MAX_BYTES = 100 * 2**20  # safetensors' own limit on a header
+INT64_MAX = 2**63 - 1  # offsets and sizes: safetensors reads them as 64-bit unsigned; a file is smaller
+# Every safetensors dtype code, and its bits per element (which codes load: harness.model.checkpoint).
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+              "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+TENSOR_FIELDS = (
+    Field("dtype", "text", allowed=tuple(DTYPE_BITS)),
+    Field("shape", "integers", low=0, high=INT64_MAX),
+    Field("data_offsets", "integers", low=0, high=INT64_MAX, length=2),  # [begin, end) within the data
+)
+INDEX_FIELDS = (
+    Field("weight_map", "object"),  # tensor name -> file name; its entries are checked in weight_files
+    Field("metadata", "object", None),  # total_size and the like: not read
+)
+METADATA = "__metadata__"  # the header's one entry that is not a tensor
+
+
+def read_header(path: Path) -> tuple[bytes, dict[str, dict]]:
+    """A safetensors file's header: its raw bytes, and each tensor's entry (dtype, shape,
+    data_offsets) checked against TENSOR_FIELDS and against the file (the module docstring)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"'{path}' is truncated: {size} bytes, not even a safetensors header length")
+        length = struct.unpack("<Q", prefix)[0]
+        if length > HEADER_MAX_BYTES or 8 + length > size:
+            raise CheckpointError(f"'{path}' is truncated or not safetensors: its header claims {length:,} bytes, "
+                                  f"the file holds {size:,}")
+        raw = f.read(length)
+    header = json_object(raw, f"'{path}' is not a safetensors file: its header")
+    metadata = header.pop(METADATA, None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"'{path}': {METADATA} must be a JSON object of strings, got {shown(metadata)}")
+    entries = {name: _entry(path, name, entry) for name, entry in header.items()}
+    _check_layout(path, entries, size - 8 - length)
+    return raw, entries
+
+
+def _entry(path: Path, name: str, entry) -> dict:
+    """One tensor's entry, checked against TENSOR_FIELDS and its own size."""
+    where = lambda field: f"'{path}': tensor {shown(name)} {field}"  # noqa: E731
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"'{path}': tensor {shown(name)} must be a JSON object (dtype, shape, data_offsets), "
+                              f"got {shown(entry)}")
+    checked = checked_fields(entry, TENSOR_FIELDS, where)
+    begin, end = checked["data_offsets"]
+    elements = 1
+    for extent in checked["shape"]:
+        elements *= extent
+    bits = elements * DTYPE_BITS[checked["dtype"]]
+    if end < begin or 8 * (end - begin) != bits:
+        raise CheckpointError(f"{where('data_offsets')} {[begin, end]} hold {end - begin:,} bytes; shape "
+                              f"{checked['shape']} of {checked['dtype']} needs {bits / 8:,.0f}")
+    return checked
+
+
+def _check_layout(path: Path, entries: dict[str, dict], data_bytes: int) -> None:
+    """The tensors' data lies end to end from byte 0 and ends where the file does, as safetensors requires."""
+    reached = 0
+    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, end = entry["data_offsets"]
+        if begin != reached:
+            raise CheckpointError(f"'{path}': tensor {shown(name)} data_offsets start at byte {begin:,}, where the "
+                                  f"tensors before it end at {reached:,}: safetensors lays tensors end to end")
+        reached = end
+    if reached > data_bytes:
+        raise CheckpointError(f"'{path}' is truncated: its header places tensor data up to byte {8 + reached:,} past "
+                              f"the header, the file holds {data_bytes:,} bytes of data")
+    if reached < data_bytes:
+        raise CheckpointError(f"'{path}' holds {data_bytes - reached:,} bytes after its last tensor's data: not a "
+                              "safetensors file its header describes")
+
+
+def weight_files(folder: Path) -> tuple[list[str], Optional[dict[str, str]]]:
+    """The safetensors files of a checkpoint folder, and the index's weight_map (tensor -> file; None
+    when the folder has no index, its weights then every *.safetensors file in it)."""
+    index = folder / INDEX
+    if not index.is_file():
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            other = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+            hint = f" (it has {', '.join(other[:3])}: convert them to safetensors)" if other else ""
+            raise CheckpointError(f"'{folder}' has no *.safetensors weights{hint}")
+        return files, None
+    _, content = read_json_object(index)
+    weight_map = checked_fields(content, INDEX_FIELDS, lambda field: f"'{index}': {field}")["weight_map"]
+    for tensor, file in weight_map.items():
+        if not (isinstance(file, str) and _plain_name(file)):
+            raise CheckpointError(f"'{index}': weight_map entry {shown(tensor)} must name a .safetensors file in "
+                                  f"the folder (a plain file name), got {shown(file)}")
+        if not (folder / file).is_file():
+            raise CheckpointError(f"'{index}' names '{file}', which is not in '{folder}'")
+    return sorted(set(weight_map.values())), weight_map
+
+
+def _plain_name(file: str) -> bool:
+    """A file name within the folder: no separator, not '..', no NUL, and a safetensors file's suffix."""
+    return (file.endswith(".safetensors") and Path(file).name == file and "\\" not in file and "\0" not in file
+            and not file.startswith("."))
