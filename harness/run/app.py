@@ -37,7 +37,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from harness.config import ConfigError, register_schemas  # noqa: E402
 from harness.run import capacity_search  # noqa: E402
-from harness.run.execute import PROGRESS, clock, measure_planned, measure_planned_group  # noqa: E402
+from harness.run.execute import PROGRESS, clock, measure_groups, measure_planned  # noqa: E402
 from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
 from harness.run.closing import closing_line  # noqa: E402
@@ -94,8 +94,7 @@ def run_point(cfg) -> None:
 
 
 def _run_point(cfg) -> None:
-    for group in job_work(cfg):
-        measure_planned_group(group, sweep_parallelism())
+    measure_groups(job_work(cfg), sweep_parallelism())
 
 
 def _is_full(error: BaseException) -> bool:

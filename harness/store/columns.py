@@ -171,7 +171,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("roofline_fraction", F, "", "roofline time at the calibrated roofs / decode_step_s: max(bandwidth_fraction, flops_fraction)", "roofs"),
     ("bandwidth_fraction_in_rounds", F, "", "bytes_per_step_model / decode_step_s / roof_bandwidth_in_rounds_Bps: the read roof of the point's own window", "roofs"),
     ("roofline_fraction_in_rounds", F, "", "roofline time at roof_bandwidth_in_rounds_Bps and roof_flops / decode_step_s", "roofs"),
-    ("noisy", B, "", "the row's numbers are not to be trusted (contention, spread or a fraction above the roof)", "roofs"),
+    ("noisy", B, "", "the row's numbers are not to be trusted (contention, spread, a fraction above the roof, or a slow window: harness.run.windows)", "roofs"),
     ("noise_reason", S, "", "why the row is noisy; empty when it is not", "roofs"),
     # run metadata
     ("timestamp", T, "UTC", "when the row was written", "run"),
