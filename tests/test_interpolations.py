@@ -63,7 +63,8 @@ def test_an_interpolation_that_resolves_is_used(tmp_path, monkeypatch):
     assert str(job.config.results_dir) == str(tmp_path / "rows") and job.point.decode_tokens == 8
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins") is None  # the namespace first: find_spec of a
+                    or importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,  # child raises without it
                     reason="hydra-submitit-launcher (the cluster extra) is not installed")
 def test_a_launchers_option_is_checked_too(tmp_path):
     message = refusal("-m", "hydra/launcher=local", f"results_dir={tmp_path}",
