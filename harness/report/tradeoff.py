@@ -41,6 +41,12 @@ def value(row, column: str) -> Optional[float]:
     return float(found)
 
 
+def flag(row, column: str) -> bool:
+    """A row's boolean, False where the column is absent or null (pandas' NA has no truth value)."""
+    found = row.get(column) if hasattr(row, "get") else None
+    return not fmt.missing(found) and bool(found)
+
+
 def interval(row, column: str, low: str, high: str) -> Optional[Interval]:
     """A row's figure with its interval (of zero width where the row recorded none), or None."""
     middle = value(row, column)
@@ -69,7 +75,7 @@ class Accuracy:
 
 
 def accuracy_of(row) -> Accuracy:
-    if bool(row.get("exact")) and not fmt.missing(row.get("exact")):
+    if flag(row, "exact"):
         return Accuracy(exact=True)
     perplexity = interval(row, "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high")
     if perplexity is None and value(row, "perplexity") is not None and value(row, "perplexity_reference"):
@@ -165,7 +171,7 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
             accuracy_steps=steps if accuracy_steps is None else int(accuracy_steps),
             bytes_per_token=per_token, bytes_ratio=per_token / reference_per_token,
             step=None if mine_is_reference else step_ratio(ran, row, reference),
-            noisy=bool(row.get("noisy")) and not fmt.missing(row.get("noisy")), predicted=seconds[0] / seconds[1],
+            noisy=flag(row, "noisy"), predicted=seconds[0] / seconds[1],
             accuracy=accuracy_of(row), is_reference=mine_is_reference))
     # point by point, the reference first, then from the fewest bytes: each point's trade-off reads down
     return sorted(found, key=lambda p: (p.batch, p.ctx, not p.is_reference, p.bytes_per_token, p.series))
