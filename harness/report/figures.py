@@ -84,7 +84,7 @@ def discard_open() -> None:
 
 def save(fig, folder: Path, name: str) -> Path:
     path = Path(folder) / name
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI)  # savefig runs the constrained layout once, at this resolution, then draws
     plt.close(fig)
     return path
 

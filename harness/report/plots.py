@@ -20,15 +20,16 @@ from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio
                                     new_figure, save, title)
 
 STRATEGY_COLOURS = PALETTE
+OTHER_COLOUR = "#7f7f7f"  # a series that is neither the reference nor a cache
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
-def _colour(group: Cohort, strategy: str) -> str:
-    """One colour per strategy within a group, the same in every plot of it."""
-    if strategy in set(reference_rows(group.rows)[SERIES]):
-        return REFERENCE_COLOUR
-    cached = [s for s in ordered_strategies(group.rows) if s in set(cached_rows(group.rows)[SERIES])]
-    return STRATEGY_COLOURS[cached.index(strategy) % len(STRATEGY_COLOURS)] if strategy in cached else "#7f7f7f"
+def _colours(group: Cohort) -> dict[str, str]:
+    """One colour per strategy within a group, the same in every plot of it (the reference's red)."""
+    references, caches = set(reference_rows(group.rows)[SERIES]), set(cached_rows(group.rows)[SERIES])
+    cached = [s for s in ordered_strategies(group.rows) if s in caches]
+    colours = {s: STRATEGY_COLOURS[i % len(STRATEGY_COLOURS)] for i, s in enumerate(cached)}
+    return {**colours, **dict.fromkeys(references, REFERENCE_COLOUR)}
 
 
 def floats(values) -> np.ndarray:
@@ -75,6 +76,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
     batches = sorted(ok["batch"].unique())
     fig, axes = new_figure(4.2 * len(batches) + 2.4, 4.2, columns=len(batches), squeeze=False, sharey=True)
     grid = _context_grid(ok["ctx"])
+    colours = _colours(group)
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
         for strategy in ordered_strategies(ok):
@@ -82,7 +84,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
             if mine.empty:
                 continue
             line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
-            ax.plot(grid, line, "-", color=_colour(group, strategy), alpha=0.55, lw=1.6)
+            ax.plot(grid, line, "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
             err = None
             bounds = [(low, high) for low, high in (("decode_step_ci_low_s", "decode_step_ci_high_s"),
                                                     ("decode_step_p10_s", "decode_step_p90_s"))
@@ -92,7 +94,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
                 low = (mine["decode_step_s"] - mine[low_column]).clip(lower=0).fillna(0)
                 high = (mine[high_column] - mine["decode_step_s"]).clip(lower=0).fillna(0)
                 err = [low.to_numpy(float), high.to_numpy(float)]
-            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(group, strategy),
+            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=colours.get(strategy, OTHER_COLOUR),
                         ms=5, capsize=2, label=strategy)
         _context_axis(ax, ok["ctx"])
         log_scale(ax, "y", in_units("s"))
@@ -165,10 +167,11 @@ def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     ax.axvline(crossover, color="#d62728", ls=":", lw=1.4)
     ax.annotate(f"cache = weights at\n{crossover:,.0f} tokens", (crossover, weights), xytext=(8, -40),
                 textcoords="offset points", color="#d62728", fontsize=9)
+    colours = _colours(group)
     for strategy in sorted(cached[SERIES].unique()):
         mine = cached[cached[SERIES] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
-                color=_colour(group, strategy), ms=6, label=f"{strategy}: allocated, measured")
+                color=colours.get(strategy, OTHER_COLOUR), ms=6, label=f"{strategy}: allocated, measured")
     log_scale(ax, "x", in_units(""))
     log_scale(ax, "y", in_units("B"))
     ax.set_xlabel("batch × tokens held (ctx + decode_tokens per sequence)")
