@@ -29,8 +29,10 @@ RANDOM_WEIGHTS_WARNING = (
     "per-token scales quantize worst (the reason KIVI scales keys per channel), and random keys have none. "
     "Judge a format on a checkpoint and real text: `model.checkpoint=PATH prompt=PATH` (docs/method.md).")
 FRONT_CAPTION = (
-    "Bytes per token held (payload, scales and the full-width window, analytic) against the mean KL divergence "
-    "from the exact reference per scored token, log axes; bars: the KL's 95% interval. Filled markers sit on the "
+    "Bytes per token held once the scored tokens have followed the context (payload, scales and the full-width "
+    "window, analytic: a windowed cache's figure can differ a little from the table's, taken at the point's own "
+    "length) against the mean KL divergence from the exact reference per scored token, log axes; bars: the KL's "
+    "95% interval. Filled markers sit on the "
     "Pareto front (no variant holds fewer bytes with as little KL), joined by the dashed line; hollow ones are "
     "beaten on both. Exact variants (KL 0) sit on the bottom line.")
 
