@@ -1,21 +1,20 @@
 """Read rate of the C decode-attention kernels alone, against torch.mv over the same bytes, in one process.
 
-Each round times, in turn: the
-contiguous kernel on [B, n_kv, L, D] tables, the paged kernel on the same keys and values scattered
-through a shuffled block table (block sizes 16 and 64), and torch.mv over a matrix of the same bytes
-(the memory control). Medians over the rounds, in GB/s of cache read, and each kernel's time against
-the contiguous kernel's. To time an earlier revision's kernels, run the script in a worktree of it
+Each round (harness.measure.rounds)
+times, in rotating order: the contiguous kernel on [B, n_kv, L, D] tables, the paged kernel on the same
+keys and values scattered through a shuffled block table (block sizes 16 and 64), and torch.mv over a
+matrix of the same bytes (the memory control). Medians over the rounds, in GB/s of cache read, and
+each kernel's paired ratio to the contiguous kernel's with its interval. To time an earlier revision's kernels, run the script in a worktree of it
 (`git worktree add --detach /tmp/before REV`): each checkout builds its own.
 
 Usage: python scripts/kernel_read_rate.py [--batch 16 --kv-heads 2 --group 2 --head-dim 64 --length 8192]
                                           [--rounds 20]
 """
 import argparse
-import statistics
-import time
 
 import torch
 
+from harness.measure.rounds import RoundsOptions, time_rounds
 from strategies import cpu_kernel
 from strategies.paged import paged_decode_attention
 
@@ -28,6 +27,8 @@ parser.add_argument("--length", type=int, default=8192, help="cached tokens per 
 parser.add_argument("--rounds", type=int, default=20)
 args = parser.parse_args()
 
+if reason := cpu_kernel.unavailable(torch.device("cpu"), torch.float32):  # also builds or loads the kernels
+    raise SystemExit(f"the C kernels cannot run here: {reason}")
 B, NKV, G, D, L = args.batch, args.kv_heads, args.group, args.head_dim, args.length
 generator = torch.Generator().manual_seed(0)
 k, v = (torch.randn(B, NKV, L, D, generator=generator) for _ in range(2))  # [B, n_kv, L, D]
@@ -60,15 +61,10 @@ matrix = torch.randn(8192, cache_bytes // 4 // 8192, generator=generator)  # [81
 vector = torch.randn(matrix.shape[1], generator=generator)
 kernels["torch.mv (memory control)"] = lambda: torch.mv(matrix, vector)
 
-seconds = {name: [] for name in kernels}
-for _ in range(args.rounds):
-    for name, kernel in kernels.items():
-        start = time.perf_counter()
-        kernel()
-        seconds[name].append(time.perf_counter() - start)
-reference = statistics.median(seconds["contiguous"])
-print(f"B={B} n_kv={NKV} G={G} D={D} L={L}: {cache_bytes / 2**20:.0f} MiB of cache, {args.rounds} rounds, "
-      f"{torch.get_num_threads()} threads")
-for name, times in seconds.items():
-    median = statistics.median(times)
-    print(f"{name:40s} {median * 1e3:8.2f} ms  {cache_bytes / median / 1e9:6.1f} GB/s  {median / reference:6.3f}x contiguous")
+rounds = time_rounds(kernels, RoundsOptions(rounds=args.rounds, reference="contiguous"))
+print(f"B={B} n_kv={NKV} G={G} D={D} L={L}: {cache_bytes / 2**20:.0f} MiB of cache, {rounds.count} rounds, "
+      f"{torch.get_num_threads()} threads, other processes took {rounds.contention:.0%} of the CPUs")
+ratios = rounds.ratios()
+for name, median in rounds.medians().items():
+    ratio = f"{ratios[name].median:6.3f}x [{ratios[name].low:.3f}, {ratios[name].high:.3f}]" if name in ratios else "reference"
+    print(f"{name:40s} {median * 1e3:8.2f} ms  {cache_bytes / median / 1e9:6.1f} GB/s  {ratio} contiguous")

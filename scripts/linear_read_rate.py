@@ -2,16 +2,14 @@
 (harness/model/cpu_gemv.c), oneDNN with packed weights, aten's F.linear.
 
 The weight matrices of a model's layers (fp32, seeded) are multiplied in a row by `rows` input rows, as
-one decode step does, timed in interleaved rounds (one pass of each kernel in turn); the medians and the
-bytes per second they read are printed. Run it under `flock /tmp/cpu.lock` on a shared machine.
+one decode step does, timed in interleaved rounds (harness.measure.rounds: one pass of each kernel in
+turn, the order rotating); the medians and the bytes per second they read are printed. Run it under `flock /tmp/cpu.lock` on a shared machine.
 
     python scripts/linear_read_rate.py --model cpu_small --rows 1 4 8 16
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ import yaml
 
 from harness.config import ModelConfig
 from harness.config.paths import config_dir
+from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import cpu_gemv
 
 
@@ -36,6 +35,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    if reason := cpu_gemv.unavailable():  # also builds or loads the kernels
+        raise SystemExit(f"the C kernels cannot run here: {reason}")
     shape = ModelConfig(**yaml.safe_load((config_dir() / "model" / f"{args.model}.yaml").read_text()))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(*s, generator=generator) for s in weight_shapes(shape)]  # [out, in] each
@@ -51,15 +52,10 @@ def main() -> None:
                                    for w, p in zip(weights, packed)],
                 "aten": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
             }
-            seconds: dict[str, list[float]] = {name: [] for name in kernels}
-            for _ in range(args.rounds):
-                for name, kernel in kernels.items():
-                    start = time.perf_counter()
-                    kernel()
-                    seconds[name].append(time.perf_counter() - start)
-            print(f"rows {rows:3d}: " + "  ".join(
-                f"{name} {statistics.median(s) * 1e3:6.2f} ms {total_bytes / statistics.median(s) / 1e9:5.1f} GB/s"
-                for name, s in seconds.items()))
+            rounds = time_rounds(kernels, RoundsOptions(rounds=args.rounds))
+            print(f"rows {rows:3d}: " + "  ".join(f"{name} {median * 1e3:6.2f} ms {total_bytes / median / 1e9:5.1f} GB/s"
+                                                  for name, median in rounds.medians().items())
+                  + f"  (others took {rounds.contention:.0%} of the CPUs)")
 
 
 if __name__ == "__main__":

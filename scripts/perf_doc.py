@@ -9,7 +9,8 @@ Each generated block of the document sits between `<!-- perf_doc:NAME begin -->`
   batch {1, 8} x ctx {256, 4096} (caches filled with random K/V), no_cache at batch 1 ctx 256: the
   rows' step time, roofline fractions and bound, against the roofs calibrated in the same run;
 - layouts: every cache layout's step against contiguous's in one process, interleaved rounds at a
-  cache-dominated point, with the memory read (a GEMV chain) timed in the same rounds;
+  cache-dominated point (harness.measure.rounds, the runner's timing engine), with the memory read (a
+  GEMV chain) timed in the same rounds;
 - gate: the benchmark suite (tests/benchmarks) run GATE_RUNS times and the spread of every ratio and
   fact (`python -m harness.bench --spread`).
 
@@ -26,7 +27,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,7 +141,7 @@ def layouts_block() -> str:
 
     from harness.config import ModelConfig
     from harness.config.paths import config_dir
-    from harness.measure.contention import CpuTimes, others_fraction
+    from harness.measure.rounds import RoundsOptions, time_rounds
     from harness.model import build_model
     from strategies.contiguous import ContiguousStrategy
     from strategies.dynamic import DynamicStrategy
@@ -175,30 +175,17 @@ def layouts_block() -> str:
             token = torch.zeros(batch, dtype=torch.long)  # [B]
             kernels[name] = lambda s=session, t=token: s.step(t)
         kernels["memory read (64 GEMVs over 256 MiB)"] = lambda: [F.linear(row, m) for m in matrices]
-        medians, contention = interleaved_medians(kernels, LAYOUT_ROUNDS, CpuTimes, others_fraction)
+        rounds = time_rounds(kernels, RoundsOptions(rounds=LAYOUT_ROUNDS, reference="contiguous"))
+    medians, ratios = rounds.medians(), rounds.ratios()
     read_Bps = sum(m.nbytes for m in matrices) / medians.pop("memory read (64 GEMVs over 256 MiB)")
-    base = medians["contiguous"]
     lines = [f"`{LAYOUT_POINT['model']}` fp32, batch {batch}, {ctx} cached tokens (random K/V), {LAYOUT_ROUNDS} "
              f"interleaved rounds, medians; the memory read in the same rounds: {read_Bps / 1e9:.1f} GB/s; "
-             f"other processes took {contention:.0%} of the CPUs.", "",
+             f"other processes took {rounds.contention:.0%} of the CPUs.", "",
              "| layout | kernel | step | × contiguous |", "|---|---|---:|---:|"]
-    for name, seconds in medians.items():
-        lines.append(f"| {name} | {short(kinds[name])} | {seconds * 1e3:.2f} ms | {seconds / base:.2f} |")
+    for name, seconds in medians.items():  # × contiguous: the median of the per-round ratios
+        ratio = ratios[name].median if name in ratios else 1.0
+        lines.append(f"| {name} | {short(kinds[name])} | {seconds * 1e3:.2f} ms | {ratio:.2f} |")
     return "\n".join(lines)
-
-
-def interleaved_medians(kernels: dict, rounds: int, cpu_times, others_fraction) -> tuple[dict, float]:
-    """Median seconds of each kernel over rounds that run every kernel once, the order rotating; and
-    the share of the CPUs other processes took meanwhile."""
-    for kernel in kernels.values():  # warm-up: allocator, caches, lazy initialisation
-        kernel()
-    times, names, start = {name: [] for name in kernels}, list(kernels), cpu_times.now()
-    for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            begin = time.perf_counter()
-            kernels[name]()
-            times[name].append(time.perf_counter() - begin)
-    return {name: statistics.median(t) for name, t in times.items()}, others_fraction(start, cpu_times.now())
 
 
 def gate_block() -> str:

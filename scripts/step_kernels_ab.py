@@ -5,12 +5,14 @@ Variants (same seeded weights): `onednn` (matmul=onednn: packed linears, torch's
 each decoder block two C calls, harness.model.cpu_gemv.GemvBlock). With `--against DIR`, also
 `against:c_block`: matmul=c and `contiguous` as another checkout of the project builds them (an
 earlier revision: `git worktree add --detach /tmp/before REV`), imported into this process beside this
-checkout's. One step of each in turn, every step at position ctx (the session is rewound), medians
-printed with whether all pick the same next tokens.
+checkout's. One step of each in turn (harness.measure.rounds, the order rotating), every step at
+position ctx (the session is rewound outside the timed call), medians and each variant's paired ratio
+to `onednn` printed with whether all pick the same next tokens.
 
 Before the steps, the cost of one kernel call from Python: the C linear on a 1 x 16 input and a
 16 x 16 weight (no work to speak of), in loops of `--calls` calls, this checkout's and, with
---against, the other's, interleaved with F.linear on the same tensors; medians over the rounds.
+--against, the other's, interleaved with F.linear on the same tensors; medians over the rounds (the
+first eighth of the rounds run untimed, as warm-up).
 
 The figures behind docs/performance.md's "The kernels' call cost". Run it under `flock /tmp/cpu.lock`.
 
@@ -20,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import yaml
 
 from harness.config import ModelConfig
 from harness.config.paths import config_dir
+from harness.measure.rounds import RoundsOptions, Step, time_rounds
 from harness.model import build_model, cpu_gemv, decoder
 from strategies.contiguous import ContiguousStrategy
 
@@ -86,16 +87,12 @@ def variant_model(shape: ModelConfig, kind: str, batch: int) -> decoder.Decoder:
     return model
 
 
-def timed_rounds(calls: dict, rounds: int, repeat: int = 1) -> dict[str, float]:
-    """Median seconds of one call of each, the calls interleaved round by round (`repeat` calls a round)."""
-    seconds: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(repeat):
-                call()
-            seconds[name].append((time.perf_counter() - start) / repeat)
-    return {name: statistics.median(times[len(times) // 8:]) for name, times in seconds.items()}
+def timed_rounds(calls: dict, rounds: int, repeat: int = 1, reference: str | None = None):
+    """The calls timed together in `rounds` rounds (harness.measure.rounds), `repeat` calls a round each;
+    the first eighth of the rounds as untimed warm-up. Returns the Rounds, times per `repeat` calls."""
+    repeated = {name: (lambda call=call: [call() for _ in range(repeat)]) if repeat > 1 else call
+                for name, call in calls.items()}
+    return time_rounds(repeated, RoundsOptions(rounds=rounds, warmup=max(1, rounds // 8), reference=reference))
 
 
 def main() -> None:
@@ -125,9 +122,9 @@ def main() -> None:
             model = other_build_model(shape, torch.device("cpu"), torch.float32, 0, "c", batch_hint=args.batch)
             models["against:c_block"] = (model, OtherContiguous())
     with torch.inference_mode():
-        per_call = timed_rounds(calls, args.rounds, args.calls)
+        per_call = timed_rounds(calls, args.rounds, args.calls).medians()
         print(f"one call, 1 x 16 @ 16 x 16, median of {args.rounds} rounds of {args.calls}: " + ", ".join(
-            f"{name} {seconds * 1e6:.2f} us" for name, seconds in per_call.items()))
+            f"{name} {seconds / args.calls * 1e6:.2f} us" for name, seconds in per_call.items()))
         sessions = {}
         for kind, (model, strategy) in models.items():
             session = strategy.new_session(model, args.batch, args.ctx + 2)
@@ -136,18 +133,19 @@ def main() -> None:
         token = torch.zeros(args.batch, dtype=torch.int64)
         logits = {}
 
-        def step(kind):
-            def call():
-                logits[kind] = sessions[kind].step(token)  # [B, vocab]
-                sessions[kind].rewind(args.ctx)
-            return call
+        def step(kind) -> Step:  # [B, vocab] logits kept; the session rewound to ctx before every step
+            return Step(lambda: sessions[kind].step(token), before=lambda: sessions[kind].rewind(args.ctx),
+                        after=lambda output: logits.__setitem__(kind, output))
 
-        steps = timed_rounds({kind: step(kind) for kind in sessions}, args.rounds)
+        steps = timed_rounds({kind: step(kind) for kind in sessions}, args.rounds, reference="onednn")
     same = all(torch.equal(logits[kind].argmax(-1), logits["onednn"].argmax(-1)) for kind in sessions)
+    ratios = steps.ratios()
     print(f"{args.model} b={args.batch} ctx={args.ctx}: " + ", ".join(
-        f"{kind} {seconds * 1e3:.2f} ms" for kind, seconds in steps.items()) + f"; same tokens: {same}")
-    if "against:c_block" in steps:
-        print(f"c_block / against:c_block: {steps['c_block'] / steps['against:c_block']:.3f}")
+        f"{kind} {seconds * 1e3:.2f} ms" + (f" ({ratios[kind].median:.3f}x onednn)" if kind in ratios else "")
+        for kind, seconds in steps.medians().items()) + f"; same tokens: {same}")
+    if "against:c_block" in steps.seconds:
+        against = steps.ratio("c_block", "against:c_block")
+        print(f"c_block / against:c_block: {against.median:.3f} [{against.low:.3f}, {against.high:.3f}]")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pandas as pd
 
+import dataclasses
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from harness.analysis import analytic
 from harness.store.calibration import Calibration, save
-from harness.config import CONTIGUOUS, ModelConfig, Point, StrategyChoice, TimingConfig
+from harness.config import CONTIGUOUS, CacheLayout, ModelConfig, Point, StrategyChoice, TimingConfig
 from harness.run.row import build_row
-from harness.store.files import write_row
+from harness.store.files import row_filename, row_table, write_row
 from strategies.quantized import QuantizedStrategy
 
 # The CPU default's shape (conf/model/cpu_small.yaml), written out so the fixture needs no config file.
@@ -105,4 +110,110 @@ def write_results(folder, calibration: bool = True, awkward: bool = True,
         (folder / "notes.txt").write_text("a stray file")
     if calibration:
         write_calibration(folder)
+    return folder
+
+
+# Cache variants swept in one group (strategy=contiguous,int8,kivi4,int4,fp8,paged32 on a checkpoint
+# with a prompt file): each row names its variant in `strategy` and its class in `strategy_family`.
+# Accuracy as measured on SmolLM2-135M over English prose (batch 4, ctx 512, 256 scored tokens); the
+# step ratios to contiguous are planted, so a test knows what the report must print.
+QUANTIZED_CLASS = STRATEGY_CLASSES["quantized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    family: str  # the class's name (strategy_family)
+    strategy_class: str  # its import path
+    layout: CacheLayout  # how it stores K/V for SHAPE
+    step_ratio: float  # its step time / contiguous's, every round (planted)
+    accuracy: dict  # its accuracy columns; empty: exact
+
+
+def _quantized(**options) -> CacheLayout:
+    return QuantizedStrategy(**options).cache_layout(SHAPE)
+
+
+def _accuracy(kl: float, p99: float, kl_max: float, top1: float, perplexity_ratio: float) -> dict:
+    return {"logit_kl_mean": kl, "logit_kl_mean_ci_low": 0.9 * kl, "logit_kl_mean_ci_high": 1.1 * kl,
+            "logit_kl_p99": p99, "logit_kl_max": kl_max, "top1_agreement": top1, "logit_max_abs_error": 10 * kl ** 0.5,
+            "perplexity": 12.0 * perplexity_ratio, "perplexity_reference": 12.0, "perplexity_delta": 12.0 * (perplexity_ratio - 1),
+            "perplexity_ratio": perplexity_ratio, "perplexity_ratio_ci_low": perplexity_ratio - 0.002 * perplexity_ratio,
+            "perplexity_ratio_ci_high": perplexity_ratio + 0.002 * perplexity_ratio, "accuracy_tokens": 1024,
+            "accuracy_steps": 256, "accuracy_ctx": 512, "accuracy_reference": f"{STRATEGY_CLASSES['contiguous']}:c"}
+
+
+VARIANTS = {
+    "contiguous": Variant("contiguous", STRATEGY_CLASSES["contiguous"], CONTIGUOUS, 1.0, {}),
+    "paged32": Variant("paged", "strategies.paged.PagedStrategy", CacheLayout(block_size=32), 1.03, {}),
+    "int8": Variant("quantized", QUANTIZED_CLASS, _quantized(format="int8"), 0.96,
+                    _accuracy(1.6e-3, 1.2e-2, 0.21, 0.985, 1.0003)),
+    "fp8": Variant("quantized", QUANTIZED_CLASS, _quantized(format="fp8_e4m3"), 0.97,
+                   _accuracy(4.9e-3, 3.1e-2, 0.44, 0.972, 1.0011)),
+    "kivi4": Variant("quantized", QUANTIZED_CLASS, _quantized(format="int4", key_axis="channel", residual=32), 0.93,
+                     _accuracy(0.026, 0.16, 1.9, 0.93, 1.038)),
+    "int4": Variant("quantized", QUANTIZED_CLASS, _quantized(format="int4"), 0.91,
+                    _accuracy(0.13, 0.81, 6.2, 0.83, 1.16)),
+}
+CHECKPOINT = "/models/SmolLM2-135M"  # a folder name only: no weights are read
+
+
+def variant_row(name: str, batch: int, ctx: int, weights: str = "checkpoint") -> dict:
+    """One variant's row of the group at (batch, ctx), every round `step_ratio` times contiguous's."""
+    variant = VARIANTS[name]
+    exact = not variant.accuracy
+    choice = StrategyChoice(name=name, strategy_class=variant.strategy_class, backend="c", caches_kv=True, exact=exact,
+                            layout=variant.layout)
+    model = dataclasses.replace(SHAPE, checkpoint=CHECKPOINT if weights == "checkpoint" else None)
+    where = Point(model=model, strategy=choice, timing=TimingConfig(), batch=batch, ctx=ctx, decode_tokens=DECODE_TOKENS,
+                  device="cpu", dtype=DTYPE, seed=0, prefill="compute", traffic="model", matmul="aten", threads=2,
+                  weights=weights, checkpoint_hash="c0ffee" if weights == "checkpoint" else None,
+                  prompt="/data/prose.txt" if weights == "checkpoint" else None,
+                  reference=None if exact else f"{STRATEGY_CLASSES['contiguous']}:c", interleave="shape")
+    base = analytic.mean_decode_step(SHAPE, DTYPE, batch, ctx, DECODE_TOKENS, CONTIGUOUS, CPU_ROOF).seconds * 2.0
+    rounds = [base * (1 + 0.01 * ((i * 7) % 5 - 2)) for i in range(32)]  # contiguous's, round by round
+    times = [t * variant.step_ratio for t in rounds]
+    reference = name == "contiguous"
+    measured = {
+        "status": "ok", "device_name": "Intel Xeon (fixture)", "kernel": "c", "matmul_kernel": "aten.linear",
+        "prefill_s": 2.5 * analytic.prefill_time(SHAPE, DTYPE, batch, ctx, CPU_ROOF, variant.layout),
+        "decode_step_s": sorted(times)[len(times) // 2], "decode_step_ci_low_s": min(times), "decode_step_ci_high_s": max(times),
+        "decode_step_times_s": times, "decode_steps_timed": len(times), "rounds": len(times), "warmup_steps": 3,
+        "tokens_per_s": batch / sorted(times)[len(times) // 2], "group_id": f"group-b{batch}-c{ctx}",
+        "group_size": len(VARIANTS), "group_reference": "contiguous", "timing_method": "perf_counter",
+        "ratio_to_reference": None if reference else variant.step_ratio,
+        "ratio_ci_low": None if reference else variant.step_ratio - 0.01,
+        "ratio_ci_high": None if reference else variant.step_ratio + 0.01,
+        "kv_cache_bytes": round(analytic.kv_cache_bytes(SHAPE, DTYPE, batch, ctx + DECODE_TOKENS, variant.layout)),
+        "tokens_digest": f"digest-b{batch}-c{ctx}" if exact else f"{name}-b{batch}-c{ctx}",
+        **{k: v for k, v in variant.accuracy.items() if k in ("top1_agreement", "logit_kl_mean", "logit_max_abs_error",
+                                                              "perplexity", "perplexity_reference", "perplexity_delta",
+                                                              "accuracy_steps", "accuracy_reference")},
+    }
+    built = build_row(where, measured, roofs=None)
+    built.update(roof_bandwidth_Bps=CPU_ROOF.bytes_per_s, roof_flops=CPU_ROOF.flops_per_s, noisy=False, noise_reason="")
+    return {**built, "strategy_family": variant.family, **variant.accuracy}
+
+
+def write_row_as_is(folder: Path, row: dict) -> Path:
+    """A row written through the runner's schema, with the columns that schema lacks appended as they
+    are (the variants' columns, in a checkout whose schema predates them)."""
+    table = row_table(row)
+    for name, value in row.items():
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([value]))
+    path = Path(folder) / row_filename(row)
+    pq.write_table(table, path)
+    return path
+
+
+def write_variant_results(folder, weights: str = "checkpoint", batches=(1, 4), contexts=(256, 1024),
+                          variants=tuple(VARIANTS)) -> Path:
+    """A results folder of the cache variants measured together at every batch x ctx."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in variants:
+        for batch in batches:
+            for ctx in contexts:
+                write_row_as_is(folder, variant_row(name, batch, ctx, weights))
+    write_calibration(folder)
     return folder

@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import pytest
 import torch
 
-from harness.measure.accuracy import teacher_forced
+from harness.config import AccuracyConfig
+from harness.measure.accuracy import ReferencePasses, Windows, reference_pass, teacher_forced
+from harness.measure.decoding import accuracy
 from harness.measure.group import measure_point
+from harness.measure.intervals import cluster_mean_interval
 from strategies.contiguous import ContiguousLayerCache, ContiguousStrategy
+from strategies.quantized import QuantizedStrategy
 from tests.conftest import GQA4, cpu_model, planned_point
 
 
@@ -32,20 +38,75 @@ class WrongScaleStrategy(ContiguousStrategy):
 REFERENCE = ContiguousStrategy(backend="sdpa")  # what resolve picks for an approximate point (test below)
 
 
-def prompt(batch: int = 2, length: int = 24) -> torch.Tensor:
-    return torch.randint(GQA4.vocab_size, (batch, length), generator=torch.Generator().manual_seed(7))
+def random_windows(count: int = 4, ctx: int = 24, steps: int = 6) -> Windows:
+    """Seeded random prompts, fed the reference's greedy tokens, every step scored."""
+    prompts = torch.randint(GQA4.vocab_size, (count, ctx), generator=torch.Generator().manual_seed(7))
+    return Windows(prompts, None, None, np.ones((count, steps), dtype=bool))
+
+
+def score(strategy, windows: Windows | None = None, chunk: int = 3) -> dict:
+    model, windows = cpu_model(GQA4), windows or random_windows()
+    return teacher_forced(strategy, reference_pass(REFERENCE, model, windows, chunk), model, windows, chunk)
 
 
 def test_an_exact_cache_agrees_with_the_reference_everywhere():
-    got = teacher_forced(ContiguousStrategy(), REFERENCE, cpu_model(GQA4), prompt(), 12)
-    assert got["top1_agreement"] == 1.0 and got["logit_kl_mean"] < 1e-9 and got["logit_max_abs_error"] < 1e-4
-    assert got["accuracy_steps"] == 12
+    got = score(ContiguousStrategy())
+    assert got["top1_agreement"] == 1.0 and got["logit_kl_max"] < 1e-9 and got["logit_max_abs_error"] < 1e-4
+    assert (got["accuracy_tokens"], got["accuracy_steps"], got["accuracy_windows"], got["accuracy_ctx"]) == (24, 6, 4, 24)
 
 
 def test_a_wrong_scale_is_caught():
-    got = teacher_forced(WrongScaleStrategy(backend="sdpa"), REFERENCE, cpu_model(GQA4), prompt(), 12)
+    got = score(WrongScaleStrategy(backend="sdpa"))
     assert got["logit_kl_mean"] > 1e-3 and got["logit_max_abs_error"] > 0.05
     assert got["top1_agreement"] < 1.0
+    assert got["logit_kl_mean_ci_low"] <= got["logit_kl_mean"] <= got["logit_kl_mean_ci_high"]
+    assert got["logit_kl_mean"] <= got["logit_kl_p99"] <= got["logit_kl_max"]
+
+
+def test_only_the_scored_tokens_count_and_chunks_change_nothing():
+    windows = random_windows()
+    cut = Windows(windows.prompts, None, None, np.arange(24).reshape(4, 6) < 21)  # the last window scores 3
+    whole, in_one_chunk = score(WrongScaleStrategy(backend="sdpa"), cut), score(WrongScaleStrategy(backend="sdpa"), cut, 4)
+    assert whole["accuracy_tokens"] == 21
+    assert whole["logit_kl_mean"] == pytest.approx(in_one_chunk["logit_kl_mean"], rel=1e-6)
+    assert whole["logit_kl_mean"] != pytest.approx(score(WrongScaleStrategy(backend="sdpa"), windows)["logit_kl_mean"])
+
+
+def test_every_scored_token_is_a_one_token_decode_step():
+    """The strategy's scored logits are those of its own decode steps after the prompt's prefill, never
+    of a multi-token call (which would let a chunk's tokens see each other's K/V at full width)."""
+    model, windows = cpu_model(GQA4), random_windows(count=2)
+    exact = reference_pass(REFERENCE, model, windows, chunk=2)
+    strategy = QuantizedStrategy(format="int4", group_size=8, backend="torch")
+    session = strategy.new_session(model, 2, 24 + 6)
+    session.prefill(windows.prompts)
+    stepped = torch.stack([session.step(exact.fed[0][:, j]) for j in range(6)]).double()  # [steps, B, V]
+    p, q = exact.logits[0].double().log_softmax(-1), stepped.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert teacher_forced(strategy, exact, model, windows, 2)["logit_kl_mean"] == pytest.approx(kl.mean().item())
+
+
+def test_the_reference_pass_is_run_once_for_every_member_scored_on_the_same_windows():
+    point = planned_point("model=tiny", "model.d_model=128", "strategy=int8", "ctx=16", "decode_tokens=2",
+                          "accuracy.tokens=12", "accuracy.steps=4")
+    model, references = cpu_model(point.model), ReferencePasses()
+    first = accuracy(point, point.strategy.instantiate(), model, references)
+    other = planned_point("model=tiny", "model.d_model=128", "strategy=int4", "ctx=16", "decode_tokens=2",
+                          "accuracy.tokens=12", "accuracy.steps=4")
+    accuracy(other, other.strategy.instantiate(), model, references)
+    assert len(references) == 1 and first["accuracy_tokens"] == 12 and first["accuracy_windows"] == 3
+
+
+def test_window_clusters_widen_the_interval_of_correlated_tokens():
+    """Tokens of one window move together: resampling windows, not tokens, gives the wider interval."""
+    rng = np.random.default_rng(1)
+    shifts = rng.normal(size=8)  # one offset per window, shared by its 32 tokens
+    tokens = shifts[:, None] + 0.1 * rng.normal(size=(8, 32))
+    mean, low, high = cluster_mean_interval(tokens.sum(axis=1), [32] * 8)
+    _, token_low, token_high = cluster_mean_interval(tokens.ravel(), [1] * tokens.size)
+    assert low <= mean <= high and mean == pytest.approx(tokens.mean())
+    assert high - low > 3 * (token_high - token_low)
+    assert cluster_mean_interval([3.0], [2]) == (1.5, 1.5, 1.5)
 
 
 def test_rows_of_exact_strategies_say_why_their_accuracy_columns_are_null():
@@ -56,10 +117,12 @@ def test_rows_of_exact_strategies_say_why_their_accuracy_columns_are_null():
 def test_an_approximate_strategy_is_measured_in_its_own_process_run():
     point = planned_point("model=tiny", "strategy=contiguous", "strategy.backend=sdpa", "ctx=8", "decode_tokens=3")
     choice = dataclasses.replace(point.strategy, exact=False, strategy_class=f"{__name__}.WrongScaleStrategy")
-    reference = planned_point("model=tiny", "strategy=quantized").reference  # chosen by capability, not by name
+    reference = planned_point("model=tiny", "strategy=quantized", "strategy.group_size=8").reference  # by capability
     assert reference == "strategies.contiguous.ContiguousStrategy:sdpa"
-    point = dataclasses.replace(point, reference=reference)
+    point = dataclasses.replace(point, reference=reference, accuracy=AccuracyConfig(tokens=40, steps=16))
     row = measure_point(dataclasses.replace(point, strategy=choice))
-    assert row["status"] == "ok" and row["accuracy_steps"] == 3 and row["logit_kl_mean"] > 0
+    assert row["status"] == "ok" and row["logit_kl_mean"] > 0 and row["accuracy_s"] > 0
+    assert (row["accuracy_tokens"], row["accuracy_windows"], row["accuracy_ctx"]) == (40, 3, 8)  # not decode_tokens
+    assert row["perplexity"] is None and "greedy" in row["accuracy_reference"]  # random ids: no text to score
     random = measure_point(dataclasses.replace(point, strategy=choice, prefill="random"))
     assert random["top1_agreement"] is None and "prefill=random" in random["accuracy_reference"]

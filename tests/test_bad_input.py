@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from hydra import initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from harness.run.plan import plan
+from harness.run.plan import CONFIG_DIR, plan, sweep_jobs
 from harness.config.validate import ConfigError
 from tests.conftest import refused_by_runner, run_cli
 
@@ -80,3 +84,27 @@ def test_a_point_that_cannot_fit_names_bytes_needed_and_available(results_dir):
     line = refused_by_runner("model=llama3_70b", "device=cpu", f"results_dir={results_dir}")
     assert "does not fit in memory: needs ~" in line and "GiB available" in line
     assert not results_dir.exists()
+
+
+def test_an_interval_sweep_is_refused_with_its_key():
+    assert "batch: interval()" in refused_by_runner("-m", "model=tiny", "device=cpu", "batch=interval(1,4)")
+
+
+def test_two_of_hydras_modes_at_once_are_one_line():
+    """`-m` with `--cfg job` is Hydra's own refusal (a ValueError inside Hydra): one line, exit 2."""
+    line = refused_by_runner("-m", "model=tiny", "ctx=8,16", "--cfg", "job")
+    assert line.startswith("error: command line: Only one of --run, --multirun, --cfg")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["batch=1,4", "ctx=64,256,1024", "strategy=contiguous,paged"],
+    ["ctx=8", "batch=range(1,4)", "ctx=16,32", "seed=3"],  # a key set twice: its first place, its last values
+    ["strategy=glob(*)", "batch=2"],
+])
+def test_sweep_jobs_expands_a_sweep_as_hydras_basic_sweeper_does(overrides):
+    """The plan's own expansion against Hydra's (its internal BasicSweeper, which the product does not import)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(overrides)
+        jobs = sweep_jobs(parsed)
+        assert len(jobs) > 1 and jobs == BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, perplexity_text, weights_note
+from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, weights_note
+from harness.report.tradeoff import accuracy_of
 
 QUANTIZED = {"status": "ok", "decode_step_s": 1e-3, "caches_kv": True, "cache_value_bits": 8}
 
@@ -36,6 +37,8 @@ def test_a_group_mixing_both_says_so():
     assert "/m" in said and "Some of these rows have seeded random weights" in said
 
 
-def test_perplexity_reads_exact_to_cache():
-    assert perplexity_text({"perplexity": 12.5, "perplexity_reference": 12.0}) == "12 → 12.5 (+0.5)"
-    assert perplexity_text({"perplexity": None, "perplexity_reference": None}) == "–"
+def test_rows_without_a_perplexity_ratio_give_one_from_both_perplexities_without_interval():
+    older = pd.Series({"exact": False, "perplexity": 12.6, "perplexity_reference": 12.0})
+    ratio = accuracy_of(older).perplexity
+    assert (ratio.median, ratio.low, ratio.high) == (1.05, 1.05, 1.05)
+    assert accuracy_of(pd.Series({"exact": False, "perplexity": None, "perplexity_reference": None})).perplexity is None

@@ -9,6 +9,7 @@ from hydra.utils import get_class
 
 from harness.analysis import analytic
 from harness.config import ModelConfig, model_config_from, register_schemas
+from harness.run.catalog import strategy_targets
 from harness.run.plan import CONFIG_DIR
 from harness.config.validate import validate_run
 from harness.run.resolve import point_from_config
@@ -65,13 +66,30 @@ def test_any_field_can_be_overridden():
     assert cfg.model.n_layers == 1 and cfg.model.d_model == 4096
 
 
+CLASS_OPTIONS = sorted(strategy_targets())  # a class's own option each; the rest of the group are variants
+VARIANTS = sorted(set(GROUPS["strategy"]) - set(CLASS_OPTIONS))
+
+
 def test_strategy_name_matches_its_option():
-    """Rows name a strategy by its class; the option's file name must be that name."""
-    for option in GROUPS["strategy"]:
+    """A class's own option is named as the class (its `name`); a variant extends such an option."""
+    assert {"int8", "int4", "kivi4", "fp8", "paged32"} <= set(VARIANTS)
+    for option in CLASS_OPTIONS:
         assert get_class(compose_with("strategy", option).strategy._target_).name == option
 
 
-@pytest.mark.parametrize("option", GROUPS["strategy"])
+@pytest.mark.parametrize("option", VARIANTS)
+def test_a_variant_extends_an_option_of_its_class_and_sets_only_its_options(option):
+    import inspect
+
+    import yaml
+
+    stated = yaml.safe_load((Path(CONFIG_DIR) / "strategy" / f"{option}.yaml").read_text())
+    assert stated.pop("defaults")[-1] == "_self_" and "_target_" not in stated
+    cls = get_class(compose_with("strategy", option).strategy._target_)
+    assert set(stated) <= set(inspect.signature(cls.__init__).parameters) - {"self", "backend"}
+
+
+@pytest.mark.parametrize("option", CLASS_OPTIONS)
 def test_a_strategy_yaml_states_the_defaults_its_class_has(option):
     """A strategy's options appear in its YAML (so the command line can set them) and in its class's
     signature (so code can build it): the two must say the same, or a run and a test would differ."""

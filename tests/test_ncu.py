@@ -17,7 +17,7 @@ from harness.measure.ncu import (
     NcuParseError, ncu_command, measure_traffic, parse_ncu_csv,
 )
 from harness.measure.ncu_target import run_decode_steps
-from harness.config.point import point_from_identity
+from harness.config.point import point_from_record
 from harness.config import Point
 from tests.conftest import planned_point, TINY
 
@@ -130,7 +130,7 @@ def test_measure_traffic_parses_the_fake_ncus_output_end_to_end(fake_ncu, tmp_pa
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[argv.index("--nvtx-include") + 1] == "decode/"
     program = argv[argv.index("harness.measure.ncu_target") - 2:]  # python -m harness.measure.ncu_target <json>
-    assert program[0] == sys.executable and point_from_identity(json.loads(program[3])) == point
+    assert program[0] == sys.executable and point_from_record(json.loads(program[3])) == point
 
 
 def test_measure_traffic_reports_ncus_failure(tmp_path):
@@ -161,7 +161,7 @@ def test_measure_traffic_refuses_a_cpu_point(fake_ncu):
 
 def test_point_survives_the_json_round_trip():
     point = tiny_point(timing=TimingConfig(cold_cache=True), prefill="random", device="cuda")
-    again = point_from_identity(json.loads(json.dumps(point.identity())))
+    again = point_from_record(json.loads(json.dumps(point.record())))
     assert again == point and again.key == point.key
 
 
@@ -176,6 +176,6 @@ def test_target_generates_the_tokens_measure_point_timed(prefill):
 def test_target_main_reads_the_json_argument_and_prints_nothing(capsys):
     from harness.measure.ncu_target import main
 
-    assert main([json.dumps(tiny_point().identity())]) == 0
+    assert main([json.dumps(tiny_point().record())]) == 0
     assert capsys.readouterr().out == ""  # ncu's CSV shares this stdout
     assert main([]) == 2

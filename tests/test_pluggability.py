@@ -38,7 +38,7 @@ def test_the_plugin_appears_in_every_table_and_in_every_plot_that_names_strategi
     from harness.report import assemble, plots
 
     legends = {}
-    real_save = plots._save
+    real_save = plots.save
 
     def recording_save(fig, folder, name):
         texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
@@ -46,7 +46,7 @@ def test_the_plugin_appears_in_every_table_and_in_every_plot_that_names_strategi
         legends[name] = " ".join(texts)
         return real_save(fig, folder, name)
 
-    monkeypatch.setattr(plots, "_save", recording_save)
+    monkeypatch.setattr(plots, "save", recording_save)
     files = assemble.build_report(trusted, out_dir=tmp_path / "report")
     naming = {name: text for name, text in legends.items() if "contiguous" in text}
     assert len(naming) >= 3, legends  # step time, cache over no cache, cache bytes, prefill vs decode

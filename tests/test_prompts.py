@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from harness.measure.decoding import accuracy, start_decode
-from harness.measure.prompts import PromptError, read_tokens, windows
+from harness.config import ConfigError
+from harness.measure.prompts import PromptError, accuracy_windows, content_hash, read_tokens, windows
 from harness.model import build_model
 from tests.conftest import planned_point
 
@@ -101,15 +102,58 @@ def test_an_approximate_strategy_records_perplexity_against_the_exact_reference(
     np.save(path, stream.numpy())
     ctx, steps = 24, 8
     point = planned_point(f"model.checkpoint={folder}", f"prompt={path}", "strategy=quantized",
-                          *f"strategy.format={fmt}".split(), f"ctx={ctx}", f"decode_tokens={steps}", "batch=2")
+                          *f"strategy.format={fmt}".split(), f"ctx={ctx}", "decode_tokens=3", "batch=2",
+                          "accuracy.tokens=16", f"accuracy.steps={steps}")
     assert point.reference.endswith("ContiguousStrategy:sdpa")
     model = build_model(point.model, torch.device("cpu"), torch.float32, point.seed, point.matmul, point.batch)
     got = accuracy(point, point.strategy.instantiate(), model)
-    window = stream[: 2 * (ctx + steps + 1)].view(2, -1)
-    assert got["perplexity_reference"] == pytest.approx(transformers_perplexity(reference, window, ctx, steps), rel=1e-5)
+    # Two windows, `steps` apart: prompts overlap, the scored tokens (ctx + 1 .. ctx + steps of each) do not.
+    windows = torch.stack([stream[i * steps : i * steps + ctx + steps + 1] for i in range(2)])
+    assert got["perplexity_reference"] == pytest.approx(transformers_perplexity(reference, windows, ctx, steps), rel=1e-5)
     assert got["perplexity_delta"] == pytest.approx(got["perplexity"] - got["perplexity_reference"])
+    assert got["perplexity_ratio"] == pytest.approx(got["perplexity"] / got["perplexity_reference"])
+    assert got["perplexity_ratio_ci_low"] <= got["perplexity_ratio"] <= got["perplexity_ratio_ci_high"]
     assert got["perplexity"] != got["perplexity_reference"]  # the quantized cache moved something
-    assert "prompt file" in got["accuracy_reference"] and got["accuracy_steps"] == steps
+    assert "text's tokens" in got["accuracy_reference"]
+    assert (got["accuracy_tokens"], got["accuracy_steps"], got["accuracy_windows"], got["accuracy_ctx"]) == (16, steps, 2, ctx)
+
+
+def test_accuracy_windows_score_disjoint_tokens_each_fed_the_one_before():
+    ids = np.arange(100)
+    got = accuracy_windows(ids, ctx=10, steps=4, tokens=10, vocab_size=100)
+    assert got.prompts.tolist() == [list(range(0, 10)), list(range(4, 14)), list(range(8, 18))]
+    targets = got.targets[got.scored]
+    assert targets.tolist() == list(range(11, 21))  # each scored once, the last window cut to what is left
+    assert (got.fed[got.scored] == targets - 1).all()  # teacher-forced: fed the text's previous token
+    assert got.scored.sum(axis=1).tolist() == [4, 4, 2]
+
+
+def test_rows_of_a_file_are_streams_of_their_own():
+    ids = np.arange(40).reshape(2, 20)
+    got = accuracy_windows(ids, ctx=12, steps=8, tokens=14, vocab_size=40)
+    assert got.targets[got.scored].tolist() == list(range(13, 20)) + list(range(33, 40))
+
+
+def test_a_text_too_short_for_the_accuracy_tokens_is_refused_when_planned(tmp_path):
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps(list(range(200))))
+    planned_point("model=tiny", f"prompt={path}", "strategy=contiguous", "ctx=64", "decode_tokens=2")  # exact: no pass
+    with pytest.raises(ConfigError) as refused:
+        planned_point("model=tiny", "model.d_model=128", f"prompt={path}", "strategy=int8", "ctx=64",
+                      "decode_tokens=2", "accuracy.tokens=1024")
+    assert refused.value.key == "accuracy.tokens"
+    assert "1,089 tokens" in str(refused.value) and "200 tokens" in str(refused.value)
+
+
+def test_the_python_docs_text_is_built_in_and_hashed_with_the_tokenizer(checkpoint):
+    folder, _ = checkpoint
+    point = planned_point(f"model.checkpoint={folder}", "prompt=python-docs", "strategy=contiguous", "ctx=64",
+                          "decode_tokens=2", "batch=2")
+    tokens = read_tokens("python-docs", folder / "tokenizer.json")
+    assert point.prompt == "python-docs" and len(tokens) > 50_000
+    assert point.prompt_hash == content_hash("python-docs", folder / "tokenizer.json")
+    with pytest.raises(ConfigError, match="prompt: 'python-docs' is a built-in text, which needs a tokenizer"):
+        planned_point("model=tiny", "prompt=python-docs", "ctx=8")
 
 
 def test_a_prompt_file_changed_after_planning_is_refused_in_the_point(checkpoint, tmp_path):
@@ -117,7 +161,7 @@ def test_a_prompt_file_changed_after_planning_is_refused_in_the_point(checkpoint
     path = tmp_path / "ids.json"
     path.write_text(json.dumps(list(range(50))))
     point = planned_point(f"model.checkpoint={folder}", f"prompt={path}", "strategy=quantized", "ctx=8",
-                          "decode_tokens=2")
+                          "decode_tokens=2", "accuracy.tokens=16")
     path.write_text(json.dumps(list(range(1, 51))))
     model = build_model(point.model, torch.device("cpu"), torch.float32, point.seed, point.matmul, point.batch)
     with pytest.raises(PromptError, match="changed since the sweep was planned"):

@@ -174,15 +174,15 @@ def test_the_first_table_names_the_linear_kernel_of_each_point(report):
 
 
 def test_fewer_bytes_sets_each_narrow_cache_point_beside_the_plain_cache(tmp_path):
-    """"What fewer bytes buy" on rows with an int8 cache at every point (tests/report_fixtures.py): its
-    bytes per token against the plain cache's, the speedup measured and predicted, how far its outputs
-    moved, the random-weights warning, and the speedup-against-accuracy plot."""
+    """"What fewer bytes buy" on rows of an older schema with an int8 cache at every point
+    (tests/report_fixtures.py): its bytes per token against the plain cache's, the step ratio measured and
+    predicted, how far its outputs moved, the random-weights warning, and the bytes-against-KL plot."""
     from harness.analysis import analytic
     from harness.report import units as fmt
     from harness.report.document import to_markdown
     from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, format_section
     from harness.report.cohorts import cohorts_of
-    from tests.report_fixtures import DTYPE, INT8, INT8_ACCURACY, SHAPE
+    from tests.report_fixtures import DECODE_TOKENS, DTYPE, INT8, INT8_ACCURACY, SHAPE
 
     folder = write_results(tmp_path / "results", awkward=False, batches=(1, 4), contexts=(64, 256), quantized=True)
     (group,) = cohorts_of(load(folder))
@@ -190,14 +190,17 @@ def test_fewer_bytes_sets_each_narrow_cache_point_beside_the_plain_cache(tmp_pat
     text = to_markdown(format_section([group], tmp_path / "report"))
     lines = [line for line in text.splitlines() if line.startswith("| quantized |")]
     assert len(lines) == 4  # one per batch x ctx
-    bytes_ratio = analytic.kv_bytes_per_token(SHAPE, DTYPE, INT8) / analytic.kv_bytes_per_token(SHAPE, DTYPE)
     for line in lines:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert cells[4] == fmt.ratio(bytes_ratio), cells
-        # Both caches planted at the same multiple of their roofline: the measured speedup is the predicted
+        tokens = int(cells[3]) + DECODE_TOKENS
+        bytes_ratio = (analytic.kv_bytes_per_token_held(SHAPE, DTYPE, tokens, INT8)
+                       / analytic.kv_bytes_per_token_held(SHAPE, DTYPE, tokens))
+        assert cells[5] == fmt.ratio(bytes_ratio), cells
+        # Both caches planted at the same multiple of their roofline: the measured step ratio is the predicted
         # one, compared across rows that were not timed together ("apart").
-        assert cells[5] == f"{cells[6]} apart", cells
-        assert cells[7] == f"{INT8_ACCURACY['top1_agreement']:.3f}" and cells[8] == f"{INT8_ACCURACY['logit_kl_mean']:.3g}"
+        assert cells[6] == f"{cells[7]} apart", cells
+        assert cells[8] == f"{INT8_ACCURACY['logit_kl_mean']:.2g}" and cells[11] == f"{INT8_ACCURACY['top1_agreement']:.3g}"
     assert RANDOM_WEIGHTS_WARNING in text
-    (plot,) = (tmp_path / "report").glob("speedup_vs_accuracy_*.png")
+    assert "Not recorded in these rows" in text and "`logit_kl_p99`" in text  # an older schema says what it lacks
+    (plot,) = (tmp_path / "report").glob("bytes_vs_kl_*.png")
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -75,6 +75,14 @@ def kv_cache_used_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layou
     return cache_terms.cache_bytes(shape, dtype, batch, tokens, exact)
 
 
+def kv_bytes_per_token_held(shape: Shape, dtype: str, tokens: int, layout: CacheLayout = CONTIGUOUS) -> float:
+    """Cache bytes per token of a sequence holding `tokens` tokens: kv_cache_used_bytes spread over them,
+    so a quantized layout's full-width window of recent tokens counts (it weighs most at short
+    contexts), while whole blocks and preallocated positions, which say how a cache allocates and not
+    what it stores, do not."""
+    return kv_cache_used_bytes(shape, dtype, 1, tokens, layout) / tokens
+
+
 def decode_step_bytes(shape: Shape, dtype: str, batch: int, context: int, layout: Layout = CONTIGUOUS,
                       max_len: Optional[int] = None) -> dict:
     """Bytes one decode step must move, by part.

@@ -30,8 +30,8 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import (bounded_tree, one_of, positive_float, safe_name, target_class,
-                                     validate_workload)
+from harness.config.validate import (bounded_tree, interpolations_resolve, one_of, positive_float, safe_name,
+                                     target_class, validate_workload)
 
 CONF_DIR = config_dir()
 FORMATS = ("table", "json")
@@ -97,9 +97,14 @@ def compose(overrides: list[str]):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="analytic"):
-            return hydra_compose(config_name="analytic", overrides=overrides)
+            cfg = hydra_compose(config_name="analytic", overrides=overrides)
     except Exception as error:  # Hydra and OmegaConf raise many types; all mean bad input here
         raise UsageError(_one_line(error)) from None
+    try:
+        interpolations_resolve(cfg)  # every ${...} resolves before a value is read
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
+    return cfg
 
 
 def _one_line(error: Exception) -> str:

@@ -3,8 +3,9 @@
 Absolute times on shared CI machines move by tens of percent between runs; a benchmark's median divided
 by the median of a fixed control kernel timed in the same session moves far less (pytest-benchmark's
 author recommends exactly this, its issues #2 and #24). The gate reads one run's JSON and fails when:
-- a benchmark's ratio to the control grew by more than RATIO_THRESHOLD over the committed baseline
-  (tests/benchmarks/baseline.json), or a baselined benchmark is missing from the run;
+- a benchmark's ratio to the control grew by more than RATIO_THRESHOLD over the baseline (BASELINE,
+  harness/bench/baseline.json, shipped with this module; --baseline names another), or a baselined
+  benchmark is missing from the run;
   (against a baseline of another CPU model such growth is inconclusive, exit 3: how a kernel compares
   with the control differs between CPU models);
 - a dimensionless fact of the run falls below its floor (both judged against roofs measured in the
@@ -14,13 +15,14 @@ author recommends exactly this, its issues #2 and #24). The gate reads one run's
     roofline predicts there, >= SPEEDUP_FRACTION_FLOOR;
   * bandwidth fraction: each cached strategy's analytic bytes per step / median step time, divided
     by the control's bandwidth, >= BANDWIDTH_FRACTION_FLOOR.
-The suite runs a control before every round of every benchmark, the memory-bound one (GEMV chain) or,
-for compute-bound benchmarks, the compute-bound one (GEMM): a ratio divides by the median of those
-interleaved runs (extra_info control_median_s), else by the control benchmark's median.
+The suite (tests/benchmarks, timed by harness.measure.rounds) runs a control right before the benchmark
+in every round, the memory-bound one (GEMV chain) or, for compute-bound benchmarks, the compute-bound
+one (GEMM): a ratio is the median of the per-round ratios to it (extra_info control_ratio), else the
+median over the median of those interleaved runs (control_median_s), else over the control benchmark's.
 Thresholds come from the spread measured over repeated runs (docs/performance.md, "Benchmark gate:
 spread and threshold"). Pure Python: no torch, so the gate runs anywhere the JSON is.
 
-    python -m harness.bench run.json [--baseline tests/benchmarks/baseline.json]
+    python -m harness.bench run.json [--baseline harness/bench/baseline.json]
     python -m harness.bench run1.json run2.json ... --update   # baseline = median ratio per benchmark
     python -m harness.bench run1.json run2.json ... --spread   # spread of every ratio and fact
 """
@@ -36,7 +38,7 @@ from pathlib import Path
 
 from harness.analysis.analytic import Roof, roofline_time
 
-BASELINE = Path("tests") / "benchmarks" / "baseline.json"  # relative to the checkout the suite ran in
+BASELINE = Path(__file__).with_name("baseline.json")  # package data: the code that reads it ships it
 RATIO_THRESHOLD = 0.25  # fail when median / control grows by more than this (docs/performance.md: spread)
 SPEEDUP_FRACTION_FLOOR = 0.40  # measured no_cache/contiguous speedup >= this fraction of the predicted one
 # Each cached strategy's achieved bandwidth >= this fraction of the control's. The quantized cache sits

@@ -4,11 +4,12 @@ Pure: imports neither torch nor Hydra at import time, so the analytic model and 
 dataclasses on machines without torch.
 """
 from harness.config.layout import CONTIGUOUS, CacheLayout
-from harness.config.point import Point, StrategyChoice, point_from_identity
-from harness.config.schema import ModelConfig, RunConfig, TimingConfig, model_config_from, register_schemas
+from harness.config.point import Point, StrategyChoice, point_from_record
+from harness.config.schema import (AccuracyConfig, ModelConfig, RunConfig, TimingConfig, model_config_from,
+                                   register_schemas)
 from harness.config.validate import ConfigError
 
 __all__ = [
-    "CONTIGUOUS", "CacheLayout", "ConfigError", "ModelConfig", "Point", "RunConfig", "StrategyChoice",
-    "TimingConfig", "model_config_from", "point_from_identity", "register_schemas",
+    "AccuracyConfig", "CONTIGUOUS", "CacheLayout", "ConfigError", "ModelConfig", "Point", "RunConfig",
+    "StrategyChoice", "TimingConfig", "model_config_from", "point_from_record", "register_schemas",
 ]

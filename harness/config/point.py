@@ -10,26 +10,42 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
+from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_fields
 from harness.config.layout import CacheLayout
-from harness.config.schema import ModelConfig, TimingConfig
+from harness.config.schema import AccuracyConfig, ModelConfig, TimingConfig
+
+
+# Field metadata read by harness.run.row.flatten: the column a field becomes under another name than
+# its own, or no column at all (a setting whose effect the row's measured columns state).
+COLUMN = "column"
+NO_COLUMNS = {COLUMN: None}
 
 
 @dataclass(frozen=True)
 class StrategyChoice:
     """The strategy of a point as resolved: its class, its options, and what the class declares."""
 
-    ROW_PREFIX: ClassVar[str] = ""  # columns strategy (its name), strategy_class, backend, caches_kv, exact, ...
+    ROW_PREFIX: ClassVar[str] = ""  # columns strategy (the variant), strategy_class, backend, caches_kv, ...
 
-    name: str  # the class's name attribute (strategies.base.Strategy.name): the row's `strategy`
+    # the class's name attribute (strategies.base.Strategy.name): the row's `strategy_family`
+    name: str = field(metadata={COLUMN: "strategy_family"})
     strategy_class: str  # import path of the class, e.g. strategies.contiguous.ContiguousStrategy
     backend: str  # the kernel family that runs (auto resolved on this machine)
     caches_kv: bool  # the class stores K/V between steps
     exact: bool  # the class is proven to generate the no-cache reference's tokens
     strategy_options: dict = field(default_factory=dict)  # the class's other options as configured (block_size, ...)
     layout: Optional[CacheLayout] = None  # how it stores K/V (None: it stores none)
+    # The name rows, progress lines and reports give it: the option chosen under conf/strategy/ (int8,
+    # kivi4, paged32), with the options set beside it appended (harness.run.variants); empty: the
+    # class's name. Not in the key: a variant and the same class and options set by hand measure the same.
+    variant: str = field(default="", metadata={**NOT_IN_KEY, COLUMN: "strategy"})
+
+    def __post_init__(self):
+        if not self.variant:
+            object.__setattr__(self, "variant", self.name)
 
     def instantiate(self):
         """The strategy object (imports strategies/ only when called)."""
@@ -38,22 +54,10 @@ class StrategyChoice:
         return target_class("strategy_class", self.strategy_class)(backend=self.backend, **self.strategy_options)
 
 
-# Point and ModelConfig fields a key leaves out while at their defaults: they came after keys did, and
-# a point of random weights and prompts keeps the key it had before.
-POINT_FIELDS_KEYED_WHEN_SET = ("weights", "checkpoint_hash", "prompt", "prompt_hash", "reference", "repeat")
-MODEL_FIELDS_KEYED_WHEN_SET = ("checkpoint", "attention_bias", "tie_embeddings", "rope_scaling", "rope_scaling_factor",
-                               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
-
-
-def _drop_defaults(identity: dict, cls: type, names: tuple[str, ...]) -> None:
-    defaults = {f.name: f.default for f in fields(cls)}
-    for name in names:
-        if identity[name] == defaults[name]:
-            del identity[name]
-
-
 @dataclass(frozen=True)
 class Point:
+    """One measurement, resolved. Its key hashes every field as harness.config.keys states, once."""
+
     model: ModelConfig  # decoder shape
     strategy: StrategyChoice  # what stores and reads the cache
     timing: TimingConfig  # timing method
@@ -69,26 +73,35 @@ class Point:
     threads: int  # torch intra-op threads the point runs with
     compile: str = "none"  # none | inductor: decode steps eager or through torch.compile
     # Bytes the point may use, when smaller than the device's free memory (None: the device's). It
-    # decides whether the point runs, not what it measures: left out of the key while unset.
-    memory_limit_bytes: Optional[int] = None
+    # decides whether the point runs, not what it measures.
+    memory_limit_bytes: Optional[int] = field(default=None, metadata=OPTIONAL_IN_KEY)
     # CPU tensors of 2 MiB or more on 2 MiB pages (THP_MEM_ALLOC_ENABLE): fewer TLB misses and page
-    # faults for tables and pools. Left out of the key while false, so earlier points keep theirs.
-    hugepages: bool = False
-    # What the weights and the prompt are: `random` (seeded) or `checkpoint` (model.checkpoint), with
-    # the checkpoint's content hash (harness.model.checkpoint); the prompt file and its
-    # content hash (None: seeded random ids). Left out of the key while random, so earlier points keep theirs.
-    weights: str = "random"
-    checkpoint_hash: Optional[str] = None
-    prompt: Optional[str] = None
-    prompt_hash: Optional[str] = None
+    # faults for tables and pools.
+    hugepages: bool = field(default=False, metadata=OPTIONAL_IN_KEY)
+    # What the weights are: `random` (seeded) or `checkpoint` (model.checkpoint), with the checkpoint's
+    # content hash (harness.model.checkpoint).
+    weights: str = field(default="random", metadata=OPTIONAL_IN_KEY)
+    checkpoint_hash: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # How the checkpoint's tensors were stored and what they became in `dtype` ("gguf: Q4_1 x210, ...,
+    # dequantized to float32"; harness.run.inputs). Not in the key: the hash and the dtype decide it.
+    checkpoint_format: Optional[str] = field(default=None, metadata=NOT_IN_KEY)
+    # The prompt: a file or a built-in text (harness.measure.prompts), and its content hash; None:
+    # seeded random ids.
+    prompt: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    prompt_hash: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
     # Approximate strategies: the exact strategy their accuracy is measured against, "<class path>:<backend>"
     # (chosen by capability in harness.run.inputs); None for exact ones.
-    reference: Optional[str] = None
+    reference: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # How the accuracy pass of an approximate strategy runs; exact strategies carry the default (they
+    # run none), so the setting never splits their keys. The row's measured accuracy columns say what ran.
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig, metadata={**OPTIONAL_IN_KEY, **NO_COLUMNS})
     # shape: timed in one process with the sweep's other points of the same shape, steps interleaved
-    # (harness.measure.group); none: timed alone. Not in the key: it says how the point was timed, not
-    # what (its row's group_id and group_size say with whom); overwrite=true measures it again.
-    interleave: str = "none"
-    repeat: int = 0  # which of the sweep's `repeats` measurements of this point; left out of the key while 0
+    # (harness.measure.group); none: timed alone. How the point was timed, not what (its row's
+    # group_id and group_size say with whom): a re-run alone or in another group finds its row, and
+    # overwrite=true measures it again.
+    interleave: str = field(default="none", metadata=NOT_IN_KEY)
+    # which of the sweep's `repeats` measurements of this point
+    repeat: int = field(default=0, metadata=OPTIONAL_IN_KEY)
 
     @property
     def max_len(self) -> int:
@@ -96,16 +109,14 @@ class Point:
         return self.ctx + self.decode_tokens
 
     def identity(self) -> dict[str, Any]:
-        """Everything that defines the measurement, as plain JSON-able values."""
-        identity = asdict(self)
-        if identity["memory_limit_bytes"] is None:
-            del identity["memory_limit_bytes"]  # keys of points without a limit stay as they were
-        if not identity["hugepages"]:
-            del identity["hugepages"]  # likewise for points on the default pages
-        del identity["interleave"]  # how it was timed, not what: a re-run alone or in another group finds its row
-        _drop_defaults(identity, Point, POINT_FIELDS_KEYED_WHEN_SET)  # and for points of random weights and prompts
-        _drop_defaults(identity["model"], ModelConfig, MODEL_FIELDS_KEYED_WHEN_SET)
-        return identity
+        """Everything that defines the measurement, as plain JSON-able values: what the key hashes
+        (harness.config.keys)."""
+        return keyed_fields(self)
+
+    def record(self) -> dict[str, Any]:
+        """Every field, as plain JSON-able values: a row's config_json, and what another process
+        rebuilds the point from (point_from_record)."""
+        return asdict(self)
 
     @property
     def key(self) -> str:
@@ -114,11 +125,12 @@ class Point:
 
     def group_key(self) -> str:
         """What a point shares with the points it is timed with (harness.run.grouping): everything but the
-        strategy, the linear kernel, the compile mode and the accuracy reference that follows the strategy;
-        and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
+        strategy, the linear kernel, the compile mode, and the accuracy reference and pass that follow the
+        strategy; and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
         memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds
         cannot cancel, and its long steps would cap the rounds of every cached member beside it."""
-        shared = {k: v for k, v in self.identity().items() if k not in ("strategy", "matmul", "compile", "reference")}
+        follow_the_strategy = ("strategy", "matmul", "compile", "reference", "accuracy")
+        shared = {k: v for k, v in self.identity().items() if k not in follow_the_strategy}
         shared["caches_kv"] = self.strategy.caches_kv
         canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
@@ -128,13 +140,15 @@ class Point:
         sweep apart are in it (a compiled step, 2 MiB pages)."""
         options = ((f" compile={self.compile}" if self.compile != "none" else "") + (" hugepages" if self.hugepages else "")
                    + (f" repeat={self.repeat}" if self.repeat else ""))
-        return f"{self.strategy.name} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
+        return f"{self.strategy.variant} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 
-def point_from_identity(identity: dict) -> Point:
-    """Inverse of Point.identity(): the nested dataclasses come back from their dicts."""
-    strategy = dict(identity["strategy"])
+def point_from_record(record: dict) -> Point:
+    """Inverse of Point.record(), and of Point.identity() but for the fields it leaves out (their
+    defaults come back): the nested dataclasses come back from their dicts."""
+    strategy = dict(record["strategy"])
     layout = strategy.get("layout")
     strategy["layout"] = CacheLayout(**layout) if layout is not None else None
-    return Point(**{**identity, "model": ModelConfig(**identity["model"]), "strategy": StrategyChoice(**strategy),
-                    "timing": TimingConfig(**identity["timing"])})
+    accuracy = AccuracyConfig(**record["accuracy"]) if "accuracy" in record else AccuracyConfig()
+    return Point(**{**record, "model": ModelConfig(**record["model"]), "strategy": StrategyChoice(**strategy),
+                    "timing": TimingConfig(**record["timing"]), "accuracy": accuracy})

@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional
 
+from harness.config.keys import OPTIONAL_IN_KEY
+
 
 @dataclass
 class ModelConfig:
     """Shape of a Llama-3-style decoder. Weights are random (seeded; only the shape matters), or a
-    checkpoint's, whose config.json then gives the shape."""
+    checkpoint's, whose config.json (a GGUF file's metadata) then gives the shape."""
 
     ROW_PREFIX: ClassVar[str] = ""  # rows name these columns as they are: d_model, n_layers, ...
 
@@ -34,15 +36,25 @@ class ModelConfig:
     rope_theta: float = 500000.0  # RoPE base frequency (Llama 3)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     # The fields below are a real checkpoint's, filled from its config.json when `checkpoint` is set
-    # (harness.model.checkpoint); left at their defaults they change nothing (nor a point's key).
-    checkpoint: Optional[str] = None  # Hugging Face format folder (config.json, *.safetensors); None: seeded random weights
-    attention_bias: bool = False  # the q, k and v projections carry a bias (Qwen2)
-    tie_embeddings: bool = False  # the output head is the embedding table (tie_word_embeddings)
-    rope_scaling: Optional[str] = None  # None, or llama3: Llama 3.1's frequency-dependent RoPE stretch
-    rope_scaling_factor: float = 1.0  # llama3: how far low frequencies are stretched (factor)
-    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are stretched in full
-    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
-    rope_original_max_len: int = 8192  # llama3: the context the model was first trained at (original_max_position_embeddings)
+    # (harness.model.checkpoint); left at their defaults they change nothing, nor a point's key
+    # (OPTIONAL_IN_KEY, harness.config.keys).
+    # Hugging Face format folder (config.json, *.safetensors) or GGUF file, a path or pkg:PACKAGE/FILE;
+    # None: seeded random weights
+    checkpoint: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # the q, k and v projections carry a bias (Qwen2)
+    attention_bias: bool = field(default=False, metadata=OPTIONAL_IN_KEY)
+    # the output head is the embedding table (tie_word_embeddings)
+    tie_embeddings: bool = field(default=False, metadata=OPTIONAL_IN_KEY)
+    # None, or llama3: Llama 3.1's frequency-dependent RoPE stretch
+    rope_scaling: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # llama3: how far low frequencies are stretched (factor)
+    rope_scaling_factor: float = field(default=1.0, metadata=OPTIONAL_IN_KEY)
+    # llama3: wavelengths above original_max_len / this are stretched in full
+    rope_low_freq_factor: float = field(default=1.0, metadata=OPTIONAL_IN_KEY)
+    # llama3: wavelengths below original_max_len / this are kept
+    rope_high_freq_factor: float = field(default=4.0, metadata=OPTIONAL_IN_KEY)
+    # llama3: the context the model was first trained at (original_max_position_embeddings)
+    rope_original_max_len: int = field(default=8192, metadata=OPTIONAL_IN_KEY)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -74,19 +86,33 @@ class TimingConfig:
 
 
 @dataclass
+class AccuracyConfig:
+    """How an approximate strategy's accuracy pass runs (docs/method.md, 'Accuracy'): after the timed
+    steps, windows of the prompt text are each prefilled at the point's ctx and then teacher-forced one
+    token a decode step through the exact reference and through the strategy's cache, and every step's
+    logits are scored. Exact strategies run no pass."""
+
+    tokens: int = 1024  # tokens scored per point, whatever decode_tokens is: windows x steps
+    # decode steps per window, each scoring one token; windows' scored tokens never overlap (their prompts may)
+    steps: int = 64
+    batch: int = 16  # windows run together as one batch (a chunk); bounds the pass's memory
+
+
+@dataclass
 class RunConfig:
     """One measured point, or with Hydra's multirun, one point of a sweep."""
 
     model: ModelConfig  # decoder shape: a preset of conf/model/ (default chosen in conf/config.yaml)
     strategy: Any = field(default_factory=dict)  # decode strategy: `_target_` and the class's options (conf/strategy/)
     timing: TimingConfig = field(default_factory=TimingConfig)  # timing method
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)  # approximate strategies: the accuracy pass
     batch: int = 1  # sequences decoded together
     ctx: int = 128  # prompt tokens per sequence (the context before the first decode step)
     decode_tokens: int = 16  # greedy decode steps, each timed on its own
     device: str = "auto"  # auto|cpu|cuda; auto is cuda when available
     dtype: str = "auto"  # auto|float32|bfloat16|float16; auto is bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # seeds weights and prompt tokens
-    prompt: Optional[str] = None  # file of prompt tokens (ids as .json/.npy, or text through the checkpoint's tokenizer.json); None: seeded random ids
+    prompt: Optional[str] = None  # file of prompt tokens (ids as .json/.npy, or text through the checkpoint's own tokenizer); None: seeded random ids
     prefill: str = "compute"  # compute: run the prompt; random: fill the cache with random K/V (cached strategies)
     matmul: str = "auto"  # auto|aten|onednn|c: linear kernel; auto on a CPU: c in fp32 at batch <= 16, else oneDNN-packed where supported
     compile: str = "none"  # none|inductor: decode steps through torch.compile (CUDA: reduce-overhead; CPU: C++ codegen)

@@ -4,18 +4,22 @@ Types and unknown keys are enforced by the schemas (harness.config.schema) while
 module checks values: known names, sizes that are positive and fit a 64-bit integer, shapes that can
 exist, modes that fit the device, every number of the whole tree bounded (`bounded_tree`: integers
 fit int64, floats are finite, strategy options included), a `_target_` that imports (`target_class`),
-and the folders a tool reads (`input_folder`) or writes (`output_folder`). The runner, the analytic
-CLI and the report call the same functions. Every failure is a ConfigError naming the key and what
-is allowed. A strategy checks its own options (strategies.base.Strategy); this module knows no
-strategy.
+the folders a tool reads (`input_folder`) or writes (`output_folder`), and where a checkpoint is
+(`checkpoint_path`). The runner, the analytic CLI and the report call the same functions. Every
+failure is a ConfigError naming the key and what is allowed. A strategy checks its own options
+(strategies.base.Strategy); this module knows no strategy.
 """
 from __future__ import annotations
 
 import importlib
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
+
+from harness.config.texts import is_builtin_text
+from harness.config.paths import LocationError, checkpoint_location
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,6 +31,7 @@ SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
+ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -153,6 +158,21 @@ def _existing(key: str, value: Any, folder: bool) -> Path:
     return path
 
 
+def checkpoint_path(key: str, value: Any) -> Path:
+    """A checkpoint a point loads: a folder (Hugging Face format) or a `.gguf` file, named by its path or
+    as `pkg:PACKAGE/FILE` (harness.config.paths.checkpoint_location). Its contents are
+    harness.model.checkpoint's to check."""
+    try:
+        path = checkpoint_location(_path_text(key, value))
+    except LocationError as error:
+        raise ConfigError(key, str(error)) from None
+    if not path.exists():
+        raise ConfigError(key, f"'{path}' is no folder or file")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(key, f"'{path}' is a file, and not a .gguf one: name a Hugging Face format folder or a GGUF file")
+    return path if path.is_file() else _existing(key, str(path), folder=True)
+
+
 def output_folder(key: str, value: Any) -> Path:
     """A folder a tool writes into (created when missing): named, not a file, not under a file, and
     writable where it (or its nearest existing parent) is. Nothing is created here."""
@@ -227,6 +247,39 @@ def validate_timing(timing) -> None:
     positive_int("timing.max_passes", timing.max_passes, at_most=1000)
 
 
+def validate_accuracy(accuracy) -> None:
+    positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
+    positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
+    positive_int("accuracy.batch", accuracy.batch, at_most=4096)
+
+
+def interpolations_resolve(cfg, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Every `${...}` of a composed config resolves, each to a value of its key's type: ConfigError
+    naming the first key whose interpolation does not (an unset environment variable, an unknown
+    resolver, a key that does not exist, a cycle), with the text given and why. Checked before
+    anything reads a value, since the read would raise OmegaConf's own error (a traceback). `skip`:
+    keys left unchecked (Hydra's own node, whose job fields are set only when a job runs)."""
+    from omegaconf import DictConfig, OmegaConf  # imported here: this module stays free of omegaconf at import
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+    keys = list(cfg.keys()) if isinstance(cfg, DictConfig) else list(range(len(cfg)))
+    for key in keys:
+        name = f"{prefix}.{key}" if prefix and isinstance(key, str) else f"{prefix}[{key}]" if prefix else str(key)
+        if name in skip:
+            continue
+        try:
+            value = cfg[key]
+        except MissingMandatoryValue:
+            raise ConfigError(name, "is missing ('???'): give it a value") from None
+        except OmegaConfBaseException as error:
+            raw = OmegaConf.to_container(cfg, resolve=False)[key]
+            problem = "gives a value of the wrong type" if isinstance(error, ValidationError) else "does not resolve"
+            reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(error).strip().splitlines()[0])
+            raise ConfigError(name, f"{raw!r} {problem}: {reason}") from None
+        if OmegaConf.is_config(value) and not OmegaConf.is_interpolation(cfg, key):  # a reference: checked where it points
+            interpolations_resolve(value, name, skip)
+
+
 def _plain(cfg) -> Any:
     """A composed config as plain containers, interpolations resolved (omegaconf imported only here)."""
     if isinstance(cfg, (dict, list)):
@@ -269,9 +322,10 @@ def validate_run(cfg, cuda_available) -> None:
         raise ConfigError("hugepages", "needs isolate=true: torch reads THP_MEM_ALLOC_ENABLE at a process's first "
                                        "allocation, which this process has long made")
     validate_timing(cfg.timing)
+    validate_accuracy(cfg.accuracy)
     if cfg.model.get("checkpoint") is not None:  # its contents: harness.run.inputs, as the point resolves
-        input_folder("model.checkpoint", cfg.model.checkpoint)
-    if cfg.get("prompt") is not None:
+        checkpoint_path("model.checkpoint", cfg.model.checkpoint)
+    if cfg.get("prompt") is not None and not is_builtin_text(cfg.prompt):
         input_file("prompt", cfg.prompt)
     positive_float("calibration_budget_s", cfg.calibration_budget_s, at_least=1, at_most=CALIBRATION_BUDGET_MAX_S)
     strategy = cfg.strategy

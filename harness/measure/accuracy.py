@@ -1,36 +1,61 @@
-"""How far an approximate cache moves the outputs, measured against an exact one on the same prompt.
+"""How far an approximate cache moves the outputs, measured against an exact one on the same tokens.
 
-For a strategy that does not declare itself exact (a quantized cache), after its timed steps and in
-the same process, the point's prompt runs through the exact reference (the point's `reference`: an
-exact strategy with the plain contiguous layout on a torch backend, chosen by capability in
-harness.run.reference) and through the strategy again, and both are fed the same token at every step
-(teacher forcing): the prompt file's text where the point has one (`prompt=PATH`), else the
-reference's own greedy choice. The two see the same inputs, so each step's logits are comparable
-however early their greedy choices would part. Per point:
-- top1_agreement: share of (sequence, step) pairs whose argmax agrees;
-- logit_max_abs_error: the largest |reference - strategy| logit over all of them;
-- logit_kl_mean: the mean KL(reference || strategy) of the two softmaxes, in float64;
-- with a prompt file, perplexity (the strategy's) and perplexity_reference over the text's tokens the
-  decode steps predict, exp(mean negative log-likelihood), and perplexity_delta = perplexity -
-  perplexity_reference. Perplexity is a statement about text: on seeded random ids it is not measured.
-None of this runs inside a timed region. Rows of exact strategies leave these columns null: their
-exactness is proven by token digests and tests instead.
+For a strategy that does not declare itself exact (a quantized cache), after the timed steps and in
+the same process, an accuracy pass scores `accuracy.tokens` tokens, whatever decode_tokens is. They
+come from windows (harness.measure.prompts.accuracy_windows): each window's prompt, ctx tokens, is
+prefilled, then `accuracy.steps` one-token decode steps follow, each fed the window's next token and
+scored on the logits it returns. The same windows run through the exact reference (the point's
+`reference`: an exact strategy with the plain contiguous layout on a torch backend, chosen by capability
+in harness.run.inputs) and through the strategy's cache, fed the same tokens (teacher forcing), so each
+step's two distributions compare however early their greedy choices would part.
+
+Every scored token is predicted by a decode step, one token at a time, as decoding with the cache runs:
+the step reads the prompt's K/V and the earlier steps' K/V as the cache stores them (quantized, or in a
+full-width residual window), and only its own token's K/V as computed. The prefill's own logits are not
+scored: a prompt attends to its own K/V in full precision before storing them (as transformers'
+QuantizedCache does), which no decode step does. A multi-token call would likewise let a chunk's
+tokens see each other's K/V at full width.
+
+The tokens fed are the text's, with a prompt file or built-in text (`prompt=`), and each step is scored
+on the text's next token too (perplexity); with seeded random prompts they are the reference's own
+greedy choices, and perplexity (a statement about text) is not measured. More windows rather than more
+steps: a CPU decode step of 16 sequences costs little more than one of 4, while every window's prompt
+is prefilled once per strategy. Windows run `accuracy.batch` at a time, so memory stays bounded. The
+reference's pass is run once and kept for every approximate member of a group scored on the same
+windows with the same model (`ReferencePasses`).
+
+Per point, over the scored tokens:
+- top1_agreement: share whose argmax agrees; logit_max_abs_error: the largest |reference - strategy| logit;
+- logit_kl_mean, logit_kl_p99, logit_kl_max: KL(reference || strategy) of the two softmaxes in float64;
+- perplexity and perplexity_reference: exp(mean negative log-likelihood of the text's tokens), their
+  difference and ratio.
+The mean KL and the perplexity ratio get 95% intervals by a bootstrap over windows (harness.measure.
+intervals.cluster_mean_interval): tokens of one window share their text and their cache, so they are
+not independent draws. Nothing here runs inside a timed region. Rows of exact strategies leave these
+columns null: their exactness is proven by token digests and tests instead.
 """
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from harness.config.validate import target_class
+from harness.measure.intervals import cluster_mean_interval
 
-FED_TEXT = "the prompt file's next tokens"
-FED_GREEDY = "its own greedy tokens"
+FED_TEXT = "the text's tokens"
+FED_GREEDY = "the reference's greedy tokens (random prompts)"
+NOT_MEASURED = ("top1_agreement", "logit_max_abs_error", "logit_kl_mean", "logit_kl_mean_ci_low",
+                "logit_kl_mean_ci_high", "logit_kl_p99", "logit_kl_max", "perplexity", "perplexity_reference", "perplexity_delta",
+                "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high", "accuracy_tokens",
+                "accuracy_ctx", "accuracy_steps", "accuracy_windows", "accuracy_s")
 
 
 def not_measured(reason: str) -> dict:
-    return {"top1_agreement": None, "logit_max_abs_error": None, "logit_kl_mean": None, "accuracy_steps": None,
-            "perplexity": None, "perplexity_reference": None, "perplexity_delta": None, "accuracy_reference": reason}
+    return {**dict.fromkeys(NOT_MEASURED), "accuracy_reference": reason}
 
 
 def reference_strategy(spec: str):
@@ -39,36 +64,111 @@ def reference_strategy(spec: str):
     return target_class("reference", path)(backend=backend)
 
 
-def teacher_forced(strategy, reference, model, prompt: torch.Tensor, steps: int,
-                   text: torch.Tensor | None = None) -> dict:
-    """The accuracy columns of `strategy` against the exact `reference` strategy over `steps` decode
-    steps after `prompt` [B, P]. `text` [B, steps + 1]: the tokens that follow the prompt, fed one a
-    step and scored (perplexity); None feeds the reference's greedy tokens and scores nothing."""
-    batch, max_len = prompt.shape[0], prompt.shape[1] + steps
-    exact_session = reference.new_session(model, batch, max_len)
-    candidate = strategy.new_session(model, batch, max_len)
-    reference_logits, candidate_logits = [exact_session.prefill(prompt)], [candidate.prefill(prompt)]  # [B, V] each
-    for i in range(steps):
-        token = text[:, i] if text is not None else reference_logits[-1].argmax(-1)  # [B]: feeds both
-        reference_logits.append(exact_session.step(token))
-        candidate_logits.append(candidate.step(token))
-    exact = torch.stack(reference_logits[1:]).double()  # [steps, B, V]: the decode steps' logits
-    approximate = torch.stack(candidate_logits[1:]).double()
-    log_p, log_q = exact.log_softmax(-1), approximate.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [steps, B]
-    fed = FED_TEXT if text is not None else FED_GREEDY
+@dataclass(frozen=True)
+class Windows:
+    """What the pass runs: window i prefills prompts[i], then decode step j is fed fed[i, j] (None: the
+    reference's greedy choice) and scored (on targets[i, j] where there is text) where scored[i, j]."""
+
+    prompts: torch.Tensor  # [W, ctx]
+    fed: torch.Tensor | None  # [W, steps]
+    targets: torch.Tensor | None  # [W, steps]
+    scored: np.ndarray  # [W, steps] bool
+
+    @property
+    def steps(self) -> int:
+        return self.scored.shape[1]
+
+
+@dataclass
+class ReferencePass:
+    """The exact reference over a set of windows: per chunk of windows, what each step was fed and the
+    logits it returned, in the compute dtype (the score's float64 comes from these, as from the
+    strategy's)."""
+
+    fed: list[torch.Tensor]  # per chunk [b, steps]
+    logits: list[torch.Tensor]  # per chunk [steps, b, V]
+    seconds: float  # its wall time
+
+
+class ReferencePasses(dict):
+    """Reference passes of one process, by what they depend on: computed once, scored against by
+    every approximate strategy that shares the reference, model and windows."""
+
+    def get_or_run(self, key: tuple, reference, model, windows: Windows, chunk: int) -> ReferencePass:
+        if key not in self:
+            self[key] = reference_pass(reference, model, windows, chunk)
+        return self[key]
+
+
+def _chunks(windows: Windows, chunk: int):
+    for start in range(0, windows.prompts.shape[0], chunk):
+        yield slice(start, start + chunk)
+
+
+def reference_pass(reference, model, windows: Windows, chunk: int) -> ReferencePass:
+    began = time.perf_counter()
+    fed, logits = [], []
+    for rows in _chunks(windows, chunk):
+        prompts = windows.prompts[rows]  # [b, ctx]
+        session = reference.new_session(model, prompts.shape[0], prompts.shape[1] + windows.steps)
+        last, tokens, steps = session.prefill(prompts), [], []  # last: [b, V]
+        for j in range(windows.steps):
+            tokens.append(windows.fed[rows, j] if windows.fed is not None else last.argmax(-1))  # [b]
+            last = session.step(tokens[-1])
+            steps.append(last)
+        del session
+        fed.append(torch.stack(tokens, dim=1))  # [b, steps]
+        logits.append(torch.stack(steps))  # [steps, b, V]
+    return ReferencePass(fed, logits, time.perf_counter() - began)
+
+
+def teacher_forced(strategy, exact: ReferencePass, model, windows: Windows, chunk: int) -> dict:
+    """The accuracy columns of `strategy` against the reference's pass over the same `windows`."""
+    began = time.perf_counter()
+    n_windows, steps = windows.scored.shape
+    per_token = {name: np.zeros((n_windows, steps)) for name in ("kl", "agree", "nll_exact", "nll_strategy")}
+    max_abs = 0.0
+    for index, rows in enumerate(_chunks(windows, chunk)):
+        prompts = windows.prompts[rows]  # [b, ctx]
+        session = strategy.new_session(model, prompts.shape[0], prompts.shape[1] + steps)
+        session.prefill(prompts)
+        for j in range(steps):
+            exact_logits = exact.logits[index][j].double()  # [b, V]
+            logits = session.step(exact.fed[index][:, j]).double()  # [b, V]
+            log_p, log_q = exact_logits.log_softmax(-1), logits.log_softmax(-1)
+            per_token["kl"][rows, j] = (log_p.exp() * (log_p - log_q)).sum(-1).cpu().numpy()
+            per_token["agree"][rows, j] = (exact_logits.argmax(-1) == logits.argmax(-1)).cpu().numpy()
+            max_abs = max(max_abs, (exact_logits - logits).abs().max().item())
+            if windows.targets is not None:
+                target = windows.targets[rows, j, None]  # [b, 1]: the text's next token
+                per_token["nll_exact"][rows, j] = -log_p.gather(-1, target)[:, 0].cpu().numpy()
+                per_token["nll_strategy"][rows, j] = -log_q.gather(-1, target)[:, 0].cpu().numpy()
+        del session
+    columns = summary(per_token, windows.scored, windows.targets is not None)
+    columns.update(logit_max_abs_error=max_abs, accuracy_ctx=windows.prompts.shape[1], accuracy_steps=steps,
+                   accuracy_windows=n_windows, accuracy_s=time.perf_counter() - began + exact.seconds)
+    return columns
+
+
+def summary(per_token: dict, scored: np.ndarray, has_text: bool) -> dict:
+    """The columns from per-token values [W, steps] where `scored`; intervals resample windows."""
+    counts = scored.sum(axis=1)  # [W]
+    kl = per_token["kl"][scored]
+    kl_mean, kl_low, kl_high = cluster_mean_interval(np.where(scored, per_token["kl"], 0).sum(axis=1), counts)
     columns = {
-        "top1_agreement": (exact.argmax(-1) == approximate.argmax(-1)).double().mean().item(),
-        "logit_max_abs_error": (exact - approximate).abs().max().item(),
-        "logit_kl_mean": kl.mean().item(),
-        "accuracy_steps": steps,
+        "top1_agreement": float(per_token["agree"][scored].mean()),
+        "logit_kl_mean": kl_mean, "logit_kl_mean_ci_low": kl_low, "logit_kl_mean_ci_high": kl_high,
+        "logit_kl_p99": float(np.percentile(kl, 99)), "logit_kl_max": float(kl.max()),
+        "accuracy_tokens": int(counts.sum()),
         "perplexity": None, "perplexity_reference": None, "perplexity_delta": None,
-        "accuracy_reference": f"{reference.name} ({reference.backend}, compute dtype), teacher-forced on {fed}",
+        "perplexity_ratio": None, "perplexity_ratio_ci_low": None, "perplexity_ratio_ci_high": None,
     }
-    if text is not None:
-        targets = text[:, 1 : steps + 1].T.to(exact.device)[..., None]  # [steps, B, 1]: what each step predicts
-        exact_ppl = math.exp(-log_p.gather(-1, targets).mean().item())
-        approximate_ppl = math.exp(-log_q.gather(-1, targets).mean().item())
-        columns.update(perplexity=approximate_ppl, perplexity_reference=exact_ppl,
-                       perplexity_delta=approximate_ppl - exact_ppl)
+    if has_text:
+        exact = math.exp(per_token["nll_exact"][scored].mean())
+        approximate = math.exp(per_token["nll_strategy"][scored].mean())
+        excess = np.where(scored, per_token["nll_strategy"] - per_token["nll_exact"], 0).sum(axis=1)  # [W]
+        log_ratio, low, high = cluster_mean_interval(excess, counts)
+        columns.update(perplexity=approximate, perplexity_reference=exact, perplexity_delta=approximate - exact,
+                       perplexity_ratio=math.exp(log_ratio), perplexity_ratio_ci_low=math.exp(low),
+                       perplexity_ratio_ci_high=math.exp(high))
     return columns

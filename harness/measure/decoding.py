@@ -4,12 +4,15 @@ first decode position, name its tokens, and measure how far an approximate strat
 from __future__ import annotations
 
 import hashlib
+from dataclasses import astuple
 
+import numpy as np
 import torch
 
 from harness.config import Point
-from harness.measure.accuracy import not_measured, reference_strategy, teacher_forced
-from harness.measure.prompts import point_prompt
+from harness.measure.accuracy import (FED_GREEDY, FED_TEXT, ReferencePasses, Windows, not_measured,
+                                      reference_strategy, teacher_forced)
+from harness.measure.prompts import accuracy_tokens_needed, accuracy_windows, checked_tokens, point_prompt
 from harness.model.checkpoint import check_unchanged
 from harness.measure.timing import StepStats, StepTimer
 
@@ -54,20 +57,41 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
     return session, logits.argmax(-1), StepStats.of(seconds)
 
 
-def accuracy(point: Point, strategy, model) -> dict:
-    """The accuracy columns: measured for a strategy that is not exact and computed its prompt; null
-    with the reason otherwise."""
+def accuracy(point: Point, strategy, model, references: ReferencePasses | None = None) -> dict:
+    """The accuracy columns (harness.measure.accuracy): measured for a strategy that is not exact and
+    computed its prompt; null with the reason otherwise. `references` keeps the exact reference's pass
+    for the next approximate strategy scored on the same windows (a group's members)."""
     if point.strategy.exact:
         return not_measured("exact strategy: its tokens equal the reference's (tokens_digest)")
     if point.prefill != "compute":
         return not_measured("prefill=random: no prompt to run the exact reference on")
     if point.reference is None:
         return not_measured("no exact reference strategy was chosen for this point")
-    text = None
-    if point.prompt is not None:  # the timed run's prompt, then the text that follows it, fed and scored
-        window = point_prompt(point, model.device)  # [B, ctx + decode_tokens + 1]
-        prompt, text = window[:, : point.ctx], window[:, point.ctx :]
-    else:
-        generator = torch.Generator(device=model.device).manual_seed(point.seed)  # the timed run's prompt
-        prompt = torch.randint(point.model.vocab_size, (point.batch, point.ctx), generator=generator, device=model.device)
-    return teacher_forced(strategy, reference_strategy(point.reference), model, prompt, point.decode_tokens, text)
+    windows = accuracy_windows_of(point, model.device)
+    reference = reference_strategy(point.reference)
+    key = (point.reference, id(model), point.ctx, astuple(point.accuracy), point.prompt_hash, point.seed)
+    exact = (references if references is not None else ReferencePasses()).get_or_run(
+        key, reference, model, windows, point.accuracy.batch)
+    columns = teacher_forced(strategy, exact, model, windows, point.accuracy.batch)
+    fed = FED_TEXT if windows.targets is not None else FED_GREEDY
+    columns["accuracy_reference"] = (f"{reference.name} ({reference.backend}, compute dtype), each scored token one "
+                                     f"decode step teacher-forced on {fed}")
+    return columns
+
+
+def accuracy_windows_of(point: Point, device) -> Windows:
+    """The accuracy pass's windows: the prompt text's (harness.measure.prompts), or seeded random
+    prompts of ctx ids, as many as score accuracy.tokens at accuracy.steps a window."""
+    settings = point.accuracy
+    if point.prompt is not None:
+        ids = checked_tokens(point, accuracy_tokens_needed(point.ctx, settings.tokens))
+        text = accuracy_windows(ids, point.ctx, settings.steps, settings.tokens,
+                                point.model.vocab_size, f"'{point.prompt}'")
+        tensor = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device)  # noqa: E731
+        return Windows(tensor(text.prompts), tensor(text.fed), tensor(text.targets), text.scored)
+    steps = min(settings.steps, settings.tokens)
+    count = -(-settings.tokens // steps)  # windows: the last scores what is left
+    scored = np.arange(count * steps).reshape(count, steps) < settings.tokens  # [W, steps]
+    generator = torch.Generator(device=device).manual_seed(point.seed)
+    prompts = torch.randint(point.model.vocab_size, (count, point.ctx), generator=generator, device=device)
+    return Windows(prompts, None, None, scored)

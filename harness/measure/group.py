@@ -33,6 +33,7 @@ from harness.measure.device import device_name
 from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
+from harness.measure.accuracy import ReferencePasses
 from harness.measure.decoding import accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
@@ -111,9 +112,10 @@ class _GroupRun:
         reference = reference_index(self.members)
         outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
                     for i, member in enumerate(self.members)]
+        references = ReferencePasses()  # the exact reference's accuracy pass, run once for every member
         for member, outcome in zip(self.members, outcomes):  # every session freed first: one at a time
             if member.live:
-                outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0]))
+                outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0], references))
         return outcomes
 
     def prime(self) -> None:

@@ -60,3 +60,19 @@ def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> In
     if len(numerator) != len(denominator) or not numerator:
         raise ValueError(f"paired ratio needs rounds of equal count, got {len(numerator)} and {len(denominator)}")
     return median_interval([a / b for a, b in zip(numerator, denominator)])
+
+
+def cluster_mean_interval(totals: Sequence[float], counts: Sequence[int]) -> tuple[float, float, float]:
+    """The mean of observations that come in clusters, sum(totals) / sum(counts) (cluster i: counts[i]
+    observations summing to totals[i]), and its percentile-bootstrap interval resampling whole
+    clusters: observations within a cluster are correlated (an accuracy window's tokens share their text
+    and cache), so resampling them one by one would give an interval too narrow. One cluster: zero width."""
+    totals, counts = np.asarray(totals, dtype=np.float64), np.asarray(counts, dtype=np.float64)
+    mean = float(totals.sum() / counts.sum())
+    if len(totals) < 2:
+        return mean, mean, mean
+    draws = np.random.default_rng(SEED).integers(0, len(totals), size=(RESAMPLES, len(totals)))
+    means = totals[draws].sum(axis=1) / counts[draws].sum(axis=1)
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return mean, float(low), float(high)

@@ -129,7 +129,7 @@ def measure_traffic(point: Point, ncu: str | None = None, timeout: float = 3600.
     ncu = ncu or ncu_executable()
     if ncu is None:
         raise RuntimeError("traffic=ncu needs Nsight Compute: no `ncu` on PATH and $HARNESS_NCU unset")
-    program = [sys.executable, "-m", "harness.measure.ncu_target", json.dumps(point.identity())]
+    program = [sys.executable, "-m", "harness.measure.ncu_target", json.dumps(point.record())]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),

@@ -1,6 +1,6 @@
 """The program ncu profiles: a point's decode steps again, each inside the NVTX range `decode`.
 
-    python -m harness.measure.ncu_target '<json of point.identity()>'
+    python -m harness.measure.ncu_target '<json of point.record()>'
 
 It repeats what harness.measure.decoding.measure_point does up to the timed loop (same model, seed, prompt and
 cache), so the profiled steps are the measured steps: same positions, same tokens. Everything before
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from harness.config import Point, point_from_identity
+from harness.config import Point, point_from_record
 from harness.measure.ncu import NVTX_RANGE
 from harness.measure.decoding import start_decode
 from harness.measure.timing import StepTimer
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m harness.measure.ncu_target '<point identity as JSON>'", file=sys.stderr)
         return 2
-    run_decode_steps(point_from_identity(json.loads(argv[0])))
+    run_decode_steps(point_from_record(json.loads(argv[0])))
     return 0
 
 

@@ -1,30 +1,55 @@
-"""Prompt tokens from a file (`prompt=PATH`): real text for a point instead of seeded random ids.
+"""Prompt tokens from a file or a built-in text (`prompt=PATH`, `prompt=python-docs`): real text for a
+point instead of seeded random ids.
 
 A file holds token ids, or text:
 - `.json`: a list of ids (one stream), or a list of lists (one row of ids per sequence);
-- `.npy`: a 1-D (one stream) or 2-D (one row per sequence) integer array;
-- any other name: UTF-8 text, tokenized with the checkpoint's own `tokenizer.json` (the `tokenizers`
-  library, special tokens as the tokenizer adds them: Llama's BOS once, at the start).
+- `.npy`: a 1-D (one stream) or 2-D (one row per sequence) integer array, memory-mapped;
+- any other name: UTF-8 text, tokenized with the checkpoint's own tokenizer (a folder's
+  `tokenizer.json`, or the one a GGUF file's metadata describes, harness.model.gguf_tokenizer; the
+  `tokenizers` library, special tokens as the tokenizer adds them: Llama's BOS once, at the start).
+A built-in text (harness.config.texts: `python-docs`) is tokenized as a text file is.
 
-A point of `batch` sequences takes `batch` windows of ctx + decode_tokens + 1 tokens: consecutive
-windows of a stream, or the first that many ids of the first `batch` rows. Each window's first ctx
-tokens are the prompt; the rest is the text the accuracy pass feeds and scores (harness.measure.
-accuracy: decode_tokens steps, each step's logits judged on the next token of the text). A file too
-short for that, ids outside the vocabulary, or text without a tokenizer are refused (PromptError)
-when the sweep is planned. The file's content hash (with the tokenizer's, for text) goes into the
-point, and the point's own process checks it again before it measures.
+The timed run: a point of `batch` sequences takes `batch` windows of ctx + decode_tokens + 1 tokens,
+consecutive windows of a stream, or the first that many ids of the first `batch` rows; each window's
+first ctx tokens are the prompt.
+The accuracy pass of an approximate strategy (harness.measure.accuracy) takes its own windows, as many
+as score accuracy.tokens tokens in all (`accuracy_windows`): window i of a stream has the prompt
+ids[i*s : i*s + ctx] and scores the s = accuracy.steps tokens after it, each predicted by a decode step
+fed the token before it, so the windows' prompts overlap and their scored tokens never do (a row of a
+2-D file is a stream of its own). A file too short for either, ids outside the vocabulary, or text
+without a tokenizer are refused (PromptError) when the sweep is planned. The content hash (with the
+tokenizer's, for text) goes into the point, and the point's own process checks it again before it
+measures.
+
+Bounded work: `read_tokens(..., limit=N)` reads only what N tokens need. Text is tokenized in growing
+prefixes of the file (READ_BYTES_PER_TOKEN bytes a token at first, doubled until enough), each cut at
+its last line break (else its last space), and the prefix gives SPARE_TOKENS more than it returns, so
+a cut never changes a token returned: the first N ids are those of the whole file, whatever its size.
+The content hash (`content_hash`) is as bounded: sha256 of the file's size, its first HASHED_HEAD_BYTES
+(every token of a point of up to about four million tokens of text) and last HASHED_TAIL_BYTES, and
+the tokenizer's (tokenizer.json's bytes, or a GGUF checkpoint's own content hash, which covers its
+metadata); an edit past the first 16 MiB that keeps the file's size and its last MiB goes unnoticed.
+A built-in text is tokenized whole, once per tokenizer and process (about 120,000 tokens), and hashed
+whole.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from harness.config.texts import builtin_text, is_builtin_text
+
 TOKEN_FILES = (".json", ".npy")  # file suffixes read as token ids; any other is text
+HASHED_HEAD_BYTES = 16 * 2**20  # the content hash reads this much of the file's start...
+HASHED_TAIL_BYTES = 2**20  # ...and this much of its end
+READ_BYTES_PER_TOKEN = 8  # the first prefix of a text file read for `limit` tokens: twice English text's ~4 bytes a token
+SPARE_TOKENS = 64  # tokens a prefix must give beyond those returned: the cut may change the last few
 
 
 class PromptError(ValueError):
@@ -36,30 +61,66 @@ def window_tokens(ctx: int, decode_tokens: int) -> int:
     return ctx + decode_tokens + 1
 
 
-def content_hash(path: Path, tokenizer: Optional[Path]) -> str:
-    """sha256 of the file, and of the tokenizer that turns it into ids (text only)."""
-    digest = hashlib.sha256(path.read_bytes())
+def content_hash(source: str | Path, tokenizer: Optional[Path]) -> str:
+    """The file's bounded content hash, or a built-in text's, with its tokenizer's for text (the module
+    docstring)."""
+    if is_builtin_text(source):
+        digest = hashlib.sha256(builtin_text(str(source)).encode())
+        if tokenizer is not None:
+            digest.update(_tokenizer_fingerprint(tokenizer))
+        return digest.hexdigest()[:16]
+    path = Path(source).expanduser().resolve()
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}\0".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(HASHED_HEAD_BYTES))
+        f.seek(max(0, size - HASHED_TAIL_BYTES))
+        digest.update(f.read(HASHED_TAIL_BYTES))
     if tokenizer is not None and path.suffix not in TOKEN_FILES:
-        digest.update(tokenizer.read_bytes())
+        digest.update(_tokenizer_fingerprint(tokenizer))
     return digest.hexdigest()[:16]
 
 
-def read_tokens(path: str | Path, tokenizer: Optional[Path]) -> np.ndarray:
-    """The file's token ids, int64: [N] for a stream, [rows, N] for rows. Cached per file, its size and
-    time, and the tokenizer."""
+def _tokenizer_fingerprint(tokenizer: Path) -> bytes:
+    if tokenizer.suffix == ".gguf":
+        from harness.model.checkpoint import read_checkpoint
+
+        return read_checkpoint(tokenizer).content_hash.encode()
+    return tokenizer.read_bytes()
+
+
+def read_tokens(path: str | Path, tokenizer: Optional[Path], limit: Optional[int] = None) -> np.ndarray:
+    """The token ids of a file or built-in text, integers: [N] for a stream (with `limit`, at most its first
+    `limit`), [rows, N] for rows. Cached per file, its size and time, the tokenizer and the limit."""
+    if is_builtin_text(path):
+        return _builtin_tokens(str(path), tokenizer, tokenizer.stat().st_mtime_ns if tokenizer else 0)[:limit]
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise PromptError(f"'{path}' is {'a folder, not a file' if file.exists() else 'no file'}")
     stat = file.stat()
     stamp = (stat.st_size, stat.st_mtime_ns, str(tokenizer), tokenizer.stat().st_mtime_ns if tokenizer else 0)
-    return _read_tokens(file, tokenizer, stamp)
+    return _read_tokens(file, tokenizer, limit, stamp)
+
+
+@functools.lru_cache(maxsize=2)
+def _builtin_tokens(name: str, tokenizer: Optional[Path], _mtime_ns: int) -> np.ndarray:
+    if tokenizer is None:
+        raise PromptError(f"'{name}' is a built-in text, which needs a tokenizer: set model.checkpoint to a "
+                          "checkpoint with one")
+    try:
+        ids = _tokenizer(tokenizer, tokenizer.stat().st_mtime_ns).encode(builtin_text(name)).ids
+    except PromptError:
+        raise
+    except Exception as error:  # the library raises its own Exception for what it cannot encode
+        raise PromptError(f"'{tokenizer}' cannot tokenize '{name}': {str(error).splitlines()[0]}") from None
+    return np.asarray(ids, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_tokens(file: Path, tokenizer: Optional[Path], _stamp: tuple) -> np.ndarray:
+def _read_tokens(file: Path, tokenizer: Optional[Path], limit: Optional[int], _stamp: tuple) -> np.ndarray:
     if file.suffix == ".npy":
         try:
-            ids = np.load(file, allow_pickle=False)
+            ids = np.load(file, mmap_mode="r", allow_pickle=False)  # mapped: a window reads only its own pages
         except (ValueError, OSError, EOFError) as error:
             raise PromptError(f"'{file}' is not a NumPy array file ({str(error).splitlines()[0]})") from None
     elif file.suffix == ".json":
@@ -68,27 +129,60 @@ def _read_tokens(file: Path, tokenizer: Optional[Path], _stamp: tuple) -> np.nda
         except (ValueError, UnicodeDecodeError) as error:
             raise PromptError(f"'{file}' is not JSON ({str(error).splitlines()[0]})") from None
     else:
-        ids = np.asarray(_tokenize(file, tokenizer))
+        ids = np.asarray(_tokenize(file, tokenizer, limit), dtype=np.int64)
     if ids.dtype == object or ids.ndim not in (1, 2) or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise PromptError(f"'{file}' must hold integer token ids, a list or rows of equal length "
                           f"(got {ids.dtype} of shape {list(ids.shape)})")
-    return ids.astype(np.int64)
+    return ids[:limit] if ids.ndim == 1 else ids
 
 
-def _tokenize(file: Path, tokenizer: Optional[Path]) -> list[int]:
+def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> list[int]:
+    """The ids of the file's text, or with `limit` of the shortest prefix that gives them (the module docstring)."""
     if tokenizer is None:
         raise PromptError(f"'{file}' is text, which needs a tokenizer: set model.checkpoint to a folder with "
-                          f"tokenizer.json, or give token ids as {' or '.join(TOKEN_FILES)}")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise PromptError(f"'{file}' is neither UTF-8 text nor token ids ({', '.join(TOKEN_FILES)})") from None
+                          f"tokenizer.json or to a GGUF file, or give token ids as {' or '.join(TOKEN_FILES)}")
+    encoder = _tokenizer(tokenizer, tokenizer.stat().st_mtime_ns)
+    size = file.stat().st_size
+    read = size if limit is None else min(size, (limit + SPARE_TOKENS) * READ_BYTES_PER_TOKEN)
+    with open(file, "rb") as f:
+        while True:
+            f.seek(0)
+            data = f.read(read)
+            whole = read >= size
+            cut = len(data) if whole else (data.rfind(b"\n") + 1 or data.rfind(b" ") + 1)
+            if whole or cut:  # a line break or a space: a character boundary, and (almost) a token boundary
+                try:
+                    text = data[:cut].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise PromptError(f"'{file}' is neither UTF-8 text nor token ids "
+                                      f"({', '.join(TOKEN_FILES)})") from None
+                try:
+                    ids = encoder.encode(text).ids
+                except Exception as error:  # the library raises its own Exception for what it cannot encode
+                    raise PromptError(f"'{tokenizer}' cannot tokenize '{file}': {str(error).splitlines()[0]}") from None
+                if whole or len(ids) >= limit + SPARE_TOKENS:
+                    return ids
+            read = min(size, 2 * read)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: Path, _mtime_ns: int):
+    """The `tokenizers` Tokenizer of a tokenizer.json or a GGUF file's metadata (built once per process)."""
     from tokenizers import Tokenizer
 
+    if path.suffix == ".gguf":
+        from harness.model.checkpoint_fields import CheckpointError
+        from harness.model.gguf_tokenizer import gguf_tokenizer
+
+        try:
+            return gguf_tokenizer(path)
+        except CheckpointError as error:
+            raise PromptError(str(error)) from None
     try:
-        return Tokenizer.from_file(str(tokenizer)).encode(text).ids
+        return Tokenizer.from_file(str(path))
     except Exception as error:  # the library raises its own Exception for a malformed tokenizer.json
-        raise PromptError(f"'{tokenizer}' cannot tokenize '{file}': {str(error).splitlines()[0]}") from None
+        raise PromptError(f"'{path}' is not a tokenizer the tokenizers library reads: "
+                          f"{str(error).splitlines()[0]}") from None
 
 
 def windows(ids: np.ndarray, batch: int, length: int, vocab_size: int, name: str = "the file") -> np.ndarray:
@@ -107,32 +201,97 @@ def windows(ids: np.ndarray, batch: int, length: int, vocab_size: int, name: str
     if rows.min() < 0 or rows.max() >= vocab_size:
         raise PromptError(f"{name} has token id {int(rows.max() if rows.max() >= vocab_size else rows.min())}, "
                           f"outside the model's vocabulary [0, {vocab_size})")
-    return rows
+    return rows.astype(np.int64)  # a copy: a mapped .npy file's rows leave the file behind
+
+
+def file_windows(path: str | Path, tokenizer: Optional[Path], batch: int, length: int, vocab_size: int) -> np.ndarray:
+    """`batch` windows of `length` ids from the file [batch, length]: only the batch * length tokens they
+    take are read from a stream, never the whole file."""
+    return windows(read_tokens(path, tokenizer, limit=batch * length), batch, length, vocab_size, f"'{path}'")
 
 
 def tokenizer_of(checkpoint: Optional[str]) -> Optional[Path]:
-    """The checkpoint folder's tokenizer.json, where there is a checkpoint and it has one."""
-    path = Path(checkpoint).expanduser() / "tokenizer.json" if checkpoint else None
-    return path.resolve() if path is not None and path.is_file() else None
+    """Where the checkpoint's tokenizer is: a folder's tokenizer.json, or a GGUF file itself (its metadata
+    holds one); None without a checkpoint or a tokenizer."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint).expanduser()
+    path = path if path.suffix == ".gguf" else path / "tokenizer.json"
+    return path.resolve() if path.is_file() else None
 
 
-def point_windows(path: str, checkpoint: Optional[str], expected_hash: str, batch: int, length: int,
-                  vocab_size: int) -> np.ndarray:
-    """The point's windows [batch, length], read in the point's own process: the file (and tokenizer)
-    must still be what the plan hashed."""
-    tokenizer = tokenizer_of(checkpoint)
-    found = content_hash(Path(path), tokenizer)
-    if found != expected_hash:
-        raise PromptError(f"'{path}' changed since the sweep was planned (hash {found}, planned {expected_hash})")
-    return windows(read_tokens(path, tokenizer), batch, length, vocab_size, f"'{path}'")
+def checked_tokens(point, limit: int) -> np.ndarray:
+    """The ids of a point's prompt (it has `prompt` and `prompt_hash`, harness.config.Point), at most
+    `limit` of a stream, read in the point's own process: the file or text (and tokenizer) must still
+    be what the plan hashed."""
+    tokenizer = tokenizer_of(point.model.checkpoint)
+    found = content_hash(point.prompt, tokenizer)
+    if found != point.prompt_hash:
+        raise PromptError(f"'{point.prompt}' changed since the sweep was planned (hash {found}, planned "
+                          f"{point.prompt_hash})")
+    return read_tokens(point.prompt, tokenizer, limit=limit)
 
 
 def point_prompt(point, device) -> "torch.Tensor":
-    """The windows of a point's prompt file [batch, ctx + decode_tokens + 1] on `device` (the point
-    has `prompt` and `prompt_hash`, harness.config.Point)."""
+    """The timed run's windows of a point's prompt [batch, ctx + decode_tokens + 1] on `device`."""
     import torch
 
     length = window_tokens(point.ctx, point.decode_tokens)
-    ids = point_windows(point.prompt, point.model.checkpoint, point.prompt_hash, point.batch, length,
-                        point.model.vocab_size)
+    ids = windows(checked_tokens(point, point.batch * length), point.batch, length, point.model.vocab_size,
+                  f"'{point.prompt}'")
     return torch.from_numpy(np.ascontiguousarray(ids)).to(device)
+
+
+def accuracy_tokens_needed(ctx: int, tokens: int) -> int:
+    """Tokens of one stream the accuracy pass reads: the first window's prompt, every scored token, and
+    the token fed before the first."""
+    return ctx + tokens + 1
+
+
+@dataclass(frozen=True)
+class TextWindows:
+    """The accuracy pass's windows of a text (the module docstring), as arrays over windows: window i
+    prefills prompts[i], then decode step j is fed fed[i, j] and scored on targets[i, j] where
+    scored[i, j] (a window past the text's end or the tokens asked for is fed padding, never scored)."""
+
+    prompts: np.ndarray  # [W, ctx] int64
+    fed: np.ndarray  # [W, steps] int64: the token each decode step is fed
+    targets: np.ndarray  # [W, steps] int64: the text's next token, which the step's logits are scored on
+    scored: np.ndarray  # [W, steps] bool
+
+
+def scoreable_tokens(ids: np.ndarray, ctx: int) -> int:
+    """Tokens the accuracy pass can score after a prompt of ctx: a stream's (or each row's) length less
+    the prompt and the first fed token."""
+    streams = ids.reshape(-1, ids.shape[-1])
+    return int(streams.shape[0] * max(0, streams.shape[1] - ctx - 1))
+
+
+def accuracy_windows(ids: np.ndarray, ctx: int, steps: int, tokens: int, vocab_size: int,
+                     name: str = "the file") -> TextWindows:
+    """Windows scoring `tokens` tokens in all, `steps` a window, from ids [N] or [rows, N]; PromptError
+    when the text has fewer, or ids outside the vocabulary."""
+    ids = ids[: accuracy_tokens_needed(ctx, tokens)] if ids.ndim == 1 else ids
+    have = scoreable_tokens(ids, ctx)
+    if have < tokens:
+        counted = (f"{ids.shape[0]:,} tokens" if ids.ndim == 1 else f"{ids.shape[0]} row(s) of {ids.shape[1]:,} tokens")
+        raise PromptError(f"{name} holds {counted}; scoring accuracy.tokens={tokens:,} after ctx={ctx:,} needs "
+                          f"ctx + accuracy.tokens + 1 = {accuracy_tokens_needed(ctx, tokens):,} tokens of one stream (it has {have:,} to "
+                          "score); give a longer text or fewer accuracy.tokens")
+    prompts, fed, targets, scored = [], [], [], []
+    left = tokens
+    for stream in ids.reshape(-1, ids.shape[-1]):
+        start = 0
+        while left and start + ctx + 1 < stream.shape[0]:
+            count = min(steps, left, stream.shape[0] - start - ctx - 1)  # tokens this window scores
+            text = stream[start + ctx : start + ctx + count + 1]
+            prompts.append(stream[start : start + ctx])
+            fed.append(np.pad(text[:-1], (0, steps - count)))
+            targets.append(np.pad(text[1:], (0, steps - count)))
+            scored.append(np.arange(steps) < count)
+            left, start = left - count, start + steps
+    found = np.concatenate(prompts + fed + targets)
+    if found.min() < 0 or found.max() >= vocab_size:
+        raise PromptError(f"{name} has token id {int(found.max() if found.max() >= vocab_size else found.min())}, "
+                          f"outside the model's vocabulary [0, {vocab_size})")
+    return TextWindows(np.stack(prompts), np.stack(fed), np.stack(targets), np.stack(scored))

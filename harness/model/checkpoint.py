@@ -1,5 +1,12 @@
-"""A Hugging Face format checkpoint in a local folder, read without loading it: its shape, its tensors'
-names, dtypes and shapes, and a content hash; then its weights, straight into a built decoder.
+"""A checkpoint on disk, read without loading it: its shape, its tensors' names, dtypes and shapes, and
+a content hash; then its weights, straight into a built decoder.
+
+`model.checkpoint` names a Hugging Face format folder or a GGUF file (llama.cpp's format, read by
+harness.model.gguf_file), by its path or as `pkg:PACKAGE/FILE` (harness.config.paths). Both come out
+as the same Checkpoint: the shape through harness.model.checkpoint_fields (a GGUF file's metadata
+mapped onto config.json's fields), the tensors under their Hugging Face names through `_check_tensors`,
+the same hash and the same `load_weights`. What follows is the folder's part; gguf_file's docstring
+says what a GGUF file adds.
 
 A folder holds `config.json` and its weights as `*.safetensors`: one file, or shards named by
 `model.safetensors.index.json`. Llama 2/3/3.1+ (`rope_scaling` of type llama3), Mistral and Qwen2
@@ -20,9 +27,9 @@ A tensor that holds NaN or infinity once in the decoder's dtype is refused as it
 (`finite_or_refused`), naming the tensor and its file: the point fails with that reason in its row.
 
 The content hash (`Checkpoint.content_hash`, a row's `checkpoint_hash`) is cheap by design: sha256
-over config.json, and for each safetensors file its name, size, header and the first and last MiB
-of its tensor data. A fine-tune changes those bytes; an edit confined to the middle of a large shard
-would not change the hash.
+over config.json, and for each safetensors (or the GGUF) file its name, size, header (a GGUF's: its
+metadata and tensor table) and the first and last MiB of its tensor data. A fine-tune changes those
+bytes; an edit confined to the middle of a large file would not change the hash.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config import ModelConfig
+from harness.config.paths import LocationError, checkpoint_location
+from harness.model import gguf_file
 from harness.model.checkpoint_fields import CheckpointError, config_shape, read_json_object, shown
 from harness.model.safetensors_header import INDEX, read_header, weight_files
 
@@ -44,18 +53,19 @@ FINITE_CHECK_ELEMENTS = 2**24  # load_weights checks a loaded tensor for NaN and
 
 @dataclass(frozen=True)
 class StoredTensor:
-    file: str  # the safetensors file holding it, relative to the folder
-    dtype: str  # safetensors dtype code (F32, F16, BF16)
-    shape: tuple[int, ...]
+    file: str  # the safetensors (or GGUF) file holding it, relative to the folder
+    dtype: str  # safetensors dtype code (F32, F16, BF16), or GGML type (F32, Q4_1, Q6_K, ...)
+    shape: tuple[int, ...]  # as Hugging Face stores it: [out, in] for a projection
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    folder: Path  # the checkpoint folder, absolute
-    shape: ModelConfig  # config.json's shape as the decoder's (name: the folder's, checkpoint: the folder)
+    folder: Path  # the folder holding its weight files, absolute
+    shape: ModelConfig  # its shape as the decoder's (name: the folder's or file's, checkpoint: the folder or file)
     tensors: dict[str, StoredTensor]  # stored name -> where and what, every tensor the decoder loads
     sliding_window: Optional[int]  # attention window config.json enables (Mistral v0.1); None: full attention
     content_hash: str  # see the module docstring
+    format: str = "safetensors"  # how the weights are stored: safetensors | gguf
 
     @property
     def parameters(self) -> int:
@@ -71,21 +81,29 @@ def _elements(shape) -> int:
 
 
 def default_name(folder: Path) -> str:
-    """The name rows give a checkpoint: its folder's, or for a Hugging Face cache snapshot
-    (models--org--name/snapshots/<commit>) the model's; characters a file name cannot take become '-'."""
-    name = folder.name
+    """The name rows give a checkpoint: its folder's, a GGUF file's name without `.gguf`, or for a Hugging
+    Face cache snapshot (models--org--name/snapshots/<commit>) the model's; characters a file name cannot
+    take become '-'."""
+    name = folder.name.removesuffix(".gguf")
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         name = folder.parent.parent.name.split("--")[-1]
     cleaned = "".join(c if c.isalnum() or c in "_-." else "-" for c in name).lstrip(".")
     return cleaned or "checkpoint"
 
 
-def read_checkpoint(folder: str | Path) -> Checkpoint:
-    """The checkpoint in `folder`, checked against what the decoder loads (CheckpointError otherwise).
-    Cached per folder and the sizes and times of its files, so a sweep reads each header once."""
-    path = Path(folder).expanduser().resolve()
+def read_checkpoint(location: str | Path) -> Checkpoint:
+    """The checkpoint `location` names (a folder, a .gguf file, `pkg:PACKAGE/FILE`), checked against what
+    the decoder loads (CheckpointError otherwise). Cached per path and the sizes and times of its files,
+    so a sweep reads each header once."""
+    try:
+        path = checkpoint_location(str(location))
+    except LocationError as error:
+        raise CheckpointError(str(error)) from None
+    if path.is_file() and path.suffix == ".gguf":
+        return _read_gguf(path, (path.stat().st_size, path.stat().st_mtime_ns))
     if not path.is_dir():
-        raise CheckpointError(f"'{folder}' is {'a file, not a folder' if path.exists() else 'no folder'}")
+        what = "a file, neither a folder nor a .gguf file" if path.exists() else "no folder or file"
+        raise CheckpointError(f"'{location}' is {what}")
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
     return _read_checkpoint(path, stamp)
 
@@ -105,9 +123,23 @@ def _read_checkpoint(path: Path, _stamp: tuple) -> Checkpoint:
         tensors.pop("lm_head.weight", None)  # the head is the embedding table, as transformers ties it
     digest = hashlib.sha256(config_bytes)
     for name in sorted(headers):
-        digest.update(_file_fingerprint(path / name, headers[name][0]))
+        digest.update(_file_fingerprint(path / name, headers[name][0], 8 + len(headers[name][0])))
     return Checkpoint(folder=path, shape=shape, tensors=tensors, sliding_window=window,
                       content_hash=digest.hexdigest()[:16])
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: Path, _stamp: tuple) -> Checkpoint:
+    """A GGUF file as a Checkpoint: its metadata as config.json's fields through the same schema, its
+    tensors by their Hugging Face names through the same check (harness.model.gguf_file)."""
+    contents = gguf_file.read_gguf(path)
+    shape, _ = config_shape(contents.config, contents.where, default_name(path), str(path))
+    gguf_file.check_heads(path, shape)
+    tensors = {name: StoredTensor(path.name, kind, stored) for name, (kind, stored) in contents.tensors.items()}
+    _check_tensors(tensors, expected_tensors(shape), path, path, stored_name=gguf_file.gguf_name)
+    fingerprint = _file_fingerprint(path, contents.header, len(contents.header))
+    return Checkpoint(folder=path.parent, shape=shape, tensors=tensors, sliding_window=None,
+                      content_hash=hashlib.sha256(fingerprint).hexdigest()[:16], format="gguf")
 
 
 def check_unchanged(folder: str, planned_hash: str) -> None:
@@ -165,27 +197,30 @@ def expected_tensors(shape: ModelConfig) -> dict[str, tuple[int, ...]]:
     return expected
 
 
-def _check_tensors(found: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]], folder: Path,
-                   config_path: Path) -> None:
+def _check_tensors(found: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]], checkpoint: Path,
+                   described_by: Path, stored_name=lambda name: name) -> None:
+    """Every expected tensor found in its shape, none besides (a tied head aside). `checkpoint`: the folder
+    or GGUF file; `described_by`: the config.json or GGUF file the shape came from, beside the weight
+    files; `stored_name`: a tensor's name as its file spells it."""
+    folder = described_by.parent
     for name, shape in expected.items():
         if name not in found:
-            raise CheckpointError(f"'{folder}': tensor {name} is missing from its safetensors files "
-                                  f"(config.json's {len(expected)} tensors expected)")
+            raise CheckpointError(f"'{checkpoint}': tensor {stored_name(name)} is missing "
+                                  f"('{described_by.name}' describes {len(expected)} tensors)")
         if found[name].shape != shape:
-            raise CheckpointError(f"'{folder / found[name].file}': tensor {name} is {list(found[name].shape)}, "
-                                  f"'{config_path}' makes it {list(shape)}: the config contradicts the tensors")
+            raise CheckpointError(f"'{folder / found[name].file}': tensor {stored_name(name)} is "
+                                  f"{list(found[name].shape)}, '{described_by}' makes it {list(shape)}: the config contradicts the tensors")
     tied_head = "lm_head.weight" if "lm_head.weight" not in expected else None
     extra = sorted(set(found) - set(expected) - {tied_head})
     if extra:
-        raise CheckpointError(f"'{folder / found[extra[0]].file}': tensor {extra[0]} is not part of the decoder "
-                              f"config.json describes ({len(extra)} such tensors)")
+        raise CheckpointError(f"'{folder / found[extra[0]].file}': tensor {stored_name(extra[0])} is not part of the "
+                              f"decoder '{described_by.name}' describes ({len(extra)} such tensors)")
 
 
-def _file_fingerprint(path: Path, header: bytes) -> bytes:
-    """A safetensors file's name, size and header and the first and last MiB of its data, hashed."""
+def _file_fingerprint(path: Path, header: bytes, start: int) -> bytes:
+    """A weight file's name, size and header and the first and last MiB of its data (from byte `start`), hashed."""
     size = path.stat().st_size
     digest = hashlib.sha256(f"{path.name}\0{size}\0".encode() + header)
-    start = 8 + len(header)
     with open(path, "rb") as f:
         f.seek(start)
         digest.update(f.read(HASHED_DATA_BYTES))
@@ -227,21 +262,39 @@ def load_weights(model, checkpoint: Checkpoint) -> None:
     dtype) from the checkpoint, one stored tensor at a time; CheckpointError naming the tensor and
     its file for one that holds NaN or infinity in the model's dtype (see `finite_or_refused`)."""
     import torch  # here, not at the top: read_checkpoint runs while a sweep is planned, without torch
-    from safetensors import safe_open
 
     targets = parameter_rows(model, checkpoint.shape)
+    shown_name = gguf_file.gguf_name if checkpoint.format == "gguf" else str
+    with torch.no_grad():
+        for name, stored in _stored_tensors(checkpoint):
+            target, values = targets.pop(name), stored()
+            # Viewed in the stored tensor's shape (a GGUF q/k comes as [heads, 2, D/2, d_model], gguf_file);
+            # the copy converts dtype and device.
+            target.view(values.shape).copy_(values)
+            del values  # a safetensors tensor is read again only to tell why one is not finite
+            finite_or_refused(target, stored, checkpoint.folder / checkpoint.tensors[name].file, shown_name(name))
+    if targets:  # read_checkpoint checked the names; a mismatch here is a bug, not bad input
+        raise AssertionError(f"parameters left unloaded: {sorted(targets)[:3]}")
+
+
+def _stored_tensors(checkpoint: Checkpoint):
+    """(name, a callable giving the stored tensor) for every tensor the checkpoint holds for the decoder,
+    one at a time (a GGUF file's dequantized to float32)."""
+    if checkpoint.format == "gguf":
+        shape = checkpoint.shape
+        for name, values in gguf_file.dequantized_tensors(Path(shape.checkpoint), checkpoint.tensors,
+                                                          shape.n_heads, shape.n_kv_heads):
+            yield name, lambda values=values: values  # in hand already: dequantizing again would cost as much
+        return
+    from safetensors import safe_open  # as torch in load_weights
+
     by_file: dict[str, list[str]] = {}
     for name, stored in checkpoint.tensors.items():
         by_file.setdefault(stored.file, []).append(name)
-    with torch.no_grad():
-        for file, names in sorted(by_file.items()):
-            with safe_open(checkpoint.folder / file, framework="pt", device="cpu") as stored:
-                for name in names:
-                    target = targets.pop(name)
-                    target.copy_(stored.get_tensor(name))  # converts dtype and device in the copy
-                    finite_or_refused(target, lambda: stored.get_tensor(name), checkpoint.folder / file, name)
-    if targets:  # read_checkpoint checked the names; a mismatch here is a bug, not bad input
-        raise AssertionError(f"parameters left unloaded: {sorted(targets)[:3]}")
+    for file, names in sorted(by_file.items()):
+        with safe_open(checkpoint.folder / file, framework="pt", device="cpu") as stored:
+            for name in names:
+                yield name, functools.partial(stored.get_tensor, name)
 
 
 def finite_or_refused(loaded, stored, path: Path, name: str) -> None:

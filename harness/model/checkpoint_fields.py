@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -65,6 +66,10 @@ class Field:
     length: Optional[int] = None  # integers: the exact number of entries (None: any)
     fields: tuple["Field", ...] = ()  # object: its own fields (none: the object as it is, for its reader to check)
 
+    def __post_init__(self):
+        if self.kind not in KINDS:  # a table's typo, not a file's fault
+            raise ValueError(f"field {self.name}: kind {self.kind!r} is not one of {KINDS}")
+
     def describe(self) -> str:
         """What the field may hold, as a message says it."""
         if self.allowed:
@@ -105,12 +110,18 @@ def _number(value: Any) -> bool:
 
 
 def _json_text(value: Any) -> str:
-    return {True: "true", False: "false"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+    """A bool as JSON writes it (true, false), anything else as str() does."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+_SHORT_REPR = reprlib.Repr()  # bounded work and length, whatever a file holds (Python 3.11 takes no arguments)
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict, _SHORT_REPR.maxlong = 3, 4, 4, 30
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = SHOWN_CHARACTERS
 
 
 def shown(value: Any) -> str:
     """A value from a file as a message shows it: its repr, clipped, on one line."""
-    text = "null" if value is None else _json_text(value) if isinstance(value, bool) else repr(value)
+    text = "null" if value is None else _json_text(value) if isinstance(value, bool) else _SHORT_REPR.repr(value)
     return text if len(text) <= SHOWN_CHARACTERS else text[: SHOWN_CHARACTERS - 3] + "..."
 
 
@@ -122,9 +133,9 @@ def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Whe
     checked: dict[str, Any] = {}
     for field in table:
         name, value = prefix + field.name, values.get(field.name)
+        if value is None and field.default is REQUIRED:  # absent or null alike (a mapped format's absent key is None)
+            raise CheckpointError(f"{where(name)} is missing: it must be {field.describe()}")
         if value is None:
-            if field.default is REQUIRED:
-                raise CheckpointError(f"{where(name)} is missing: it must be {field.describe()}")
             checked[field.name] = field.default
         elif not field.accepts(value):
             raise CheckpointError(f"{where(name)} must be {field.describe()}, got {shown(value)}")

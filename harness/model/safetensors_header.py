@@ -18,10 +18,15 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-from harness.model.checkpoint_fields import CheckpointError, Field, checked_fields, json_object, read_json_object, shown
+from harness.model.checkpoint_fields import (LAYERS_MAX, CheckpointError, Field, checked_fields, json_object,
+                                             read_json_object, shown)
 
 INDEX = "model.safetensors.index.json"
 HEADER_MAX_BYTES = 100 * 2**20  # safetensors' own limit on a header
+# Entries of one header: a decoder of LAYERS_MAX blocks holds at most 12 tensors a block (q/k/v biases
+# included), so more says the file is no such checkpoint; bounds the check's time (a 100 MiB header of
+# empty entries holds a million, seconds each hundred thousand).
+TENSORS_MAX = 16 * LAYERS_MAX
 INT64_MAX = 2**63 - 1  # offsets and sizes: safetensors reads them as 64-bit unsigned; a file is smaller
 # Every safetensors dtype code, and its bits per element (which codes load: harness.model.checkpoint).
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
@@ -42,12 +47,13 @@ METADATA = "__metadata__"  # the header's one entry that is not a tensor
 def read_header(path: Path) -> tuple[bytes, dict[str, dict]]:
     """A safetensors file's header: its raw bytes, and each tensor's entry (dtype, shape,
     data_offsets) checked against TENSOR_FIELDS and against the file (the module docstring)."""
+    if not path.is_file():  # a folder or a pipe named *.safetensors: opening a pipe would wait forever
+        raise CheckpointError(f"'{path}' is not a file")
     size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"'{path}' is truncated: {size} bytes, not even a safetensors header length")
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"'{path}' is truncated: {size} bytes, not even a safetensors header length")
-        length = struct.unpack("<Q", prefix)[0]
+        length = struct.unpack("<Q", f.read(8))[0]
         if length > HEADER_MAX_BYTES or 8 + length > size:
             raise CheckpointError(f"'{path}' is truncated or not safetensors: its header claims {length:,} bytes, "
                                   f"the file holds {size:,}")
@@ -56,6 +62,9 @@ def read_header(path: Path) -> tuple[bytes, dict[str, dict]]:
     metadata = header.pop(METADATA, None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"'{path}': {METADATA} must be a JSON object of strings, got {shown(metadata)}")
+    if len(header) > TENSORS_MAX:
+        raise CheckpointError(f"'{path}': its header lists {len(header):,} tensors, more than a decoder of at most "
+                              f"{LAYERS_MAX:,} blocks holds (at most {TENSORS_MAX:,} a file)")
     entries = {name: _entry(path, name, entry) for name, entry in header.items()}
     _check_layout(path, entries, size - 8 - length)
     return raw, entries
@@ -113,9 +122,11 @@ def weight_files(folder: Path) -> tuple[list[str], Optional[dict[str, str]]]:
         if not (isinstance(file, str) and _plain_name(file)):
             raise CheckpointError(f"'{index}': weight_map entry {shown(tensor)} must name a .safetensors file in "
                                   f"the folder (a plain file name), got {shown(file)}")
+    files = sorted(set(weight_map.values()))
+    for file in files:
         if not (folder / file).is_file():
             raise CheckpointError(f"'{index}' names '{file}', which is not in '{folder}'")
-    return sorted(set(weight_map.values())), weight_map
+    return files, weight_map
 
 
 def _plain_name(file: str) -> bool:

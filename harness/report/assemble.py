@@ -10,9 +10,10 @@ import pandas as pd
 
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
-from harness.report import compare, plots, tables
+from harness.report import compare, guard, plots, tables
+from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
-from harness.report.cohorts import Cohort, cohorts_of
+from harness.report.cohorts import SERIES, Cohort, cohorts_of
 from harness.report.kv_formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
@@ -46,39 +47,44 @@ def _status_counts(table: pd.DataFrame) -> str:
 
 
 def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
-    """The plots of one model/device/dtype, each with a caption saying what to look at."""
+    """The plots of one model/device/dtype, each with a caption saying what to look at; a plot the rows
+    cannot show, or one that fails, leaves a line saying why."""
     out: list[Block] = [Heading(f"Measured against predicted: {group.title}"),
                         Paragraph(f"Roof: {group.roof_description}.")]
+    if not group.unusable.empty:
+        out.append(Paragraph(unusable_note(group)))
     figures = [
-        (plots.step_time_vs_context(group, folder),
+        (lambda: plots.step_time_vs_context(group, folder),
          "Decode step time against context. Dots: measured medians (bars: their 95% interval over rounds); lines: the roofline "
          "prediction per strategy. The gap between a dot and its line is what the roofline does not model.",
          "No ok row with a decode time."),
-        (plots.no_cache_over_cache(group, folder),
+        (lambda: plots.no_cache_over_cache(group, folder),
          "No cache ÷ cache per decode step. Black: FLOP ratio; dashed: predicted (roofline) time ratio; "
          "dots: measured time ratio. The distance between the black line and the dots is the FLOP saving "
          "that does not turn into wall-clock saving.",
          "Needs `no_cache` and a cached strategy at the same batch and context."),
-        (plots.cache_bytes_vs_tokens(group, folder),
+        (lambda: plots.cache_bytes_vs_tokens(group, folder),
          "Cache bytes against batch × tokens: only the product matters. The weights are the flat line; the "
          "red mark is where the cache outweighs them.", ""),
-        (plots.prefill_vs_decode(group, folder),
+        (lambda: plots.prefill_vs_decode(group, folder),
          "Prefill reads the weights once for the whole prompt; decode reads them (and the cache) for every "
          "token. Left: bytes per token (analytic); right: measured time per token.", ""),
-        (plots.peak_memory_split(group, folder, memory_split),
+        (lambda: plots.peak_memory_split(group, folder, memory_split),
          "Each point's peak memory: the weights, the cache it allocated, and the rest (activations, the "
          "allocator's slack, runtime buffers).", "No row measured a peak."),
     ]
-    for path, caption, missing in figures:
+    for draw, caption, missing in figures:
+        path, failed = guard.plot(draw)
         if path is not None:
             out.append(Figure(path, caption))
-        elif missing:
-            out.append(Paragraph(f"*(plot omitted: {missing})*"))
+        elif failed or missing:
+            out.append(Paragraph(failed or f"*(plot omitted: {missing})*"))
     out.append(Heading("Equal batch × tokens: memory and throughput", 3))
     if sets:
         out.append(tables.equal_product_table(sets))
-        out.append(Figure(plots.equal_batch_tokens(group, sets, folder),
-                          "Same batch × ctx: the cache is the same to the byte (left, dark bars), throughput is not (right)."))
+        path, failed = guard.plot(lambda: plots.equal_batch_tokens(group, sets, folder))
+        out.append(Figure(path, "Same batch × ctx: the cache is the same to the byte (left, dark bars), throughput is "
+                                "not (right).") if path is not None else Paragraph(failed))
     else:
         batches = sorted(group.ok["batch"].unique()) or [1]
         b = int(batches[0])
@@ -90,10 +96,23 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
     return out
 
 
+def unusable_note(group: Cohort) -> str:
+    """The line naming a group's rows that ran but recorded no usable step time."""
+    named = ", ".join(f"`{r[SERIES]}` b={int(r['batch'])} ctx={int(r['ctx'])} ({fmt.number(r['decode_step_s'])})"
+                      for _, r in group.unusable.head(6).iterrows())
+    more = f" and {len(group.unusable) - 6} more" if len(group.unusable) > 6 else ""
+    return (f"**{len(group.unusable)} row(s) with status ok recorded no usable decode step time** (null, 0, negative "
+            f"or infinite: {named}{more}); they are left out of every plot and ratio, and listed in the rows table.")
+
+
 def _not_measured(table: pd.DataFrame) -> list[Block]:
     out: list[Block] = [Heading("Rows and files not measured")]
     bad = table[table["status"] != "ok"] if "status" in table else table.iloc[0:0]
     out.append(tables.not_measured_table(table) if not bad.empty else Paragraph("Every row ran (status ok)."))
+    unpredicted = table[table["roof_source"] == "none"] if "roof_source" in table else table.iloc[0:0]
+    if not unpredicted.empty:
+        out += [Paragraph(f"**{len(unpredicted)} row(s) could not be predicted**, so they are in no group, plot or "
+                          "ratio:"), tables.unpredicted_table(unpredicted)]
     skipped = table.attrs.get("skipped_files", [])
     out.append(Heading("Files in the results folder that are not rows", 3))
     out.append(tables.skipped_files_table(skipped) if skipped else Paragraph("None: every file was a readable row."))
@@ -103,21 +122,9 @@ def _not_measured(table: pd.DataFrame) -> list[Block]:
     return out
 
 
-def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
-                 baseline: pd.DataFrame | None = None) -> list[Block]:
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    skipped = table.attrs.get("skipped_files", [])
-    blocks: list[Block] = [Heading(TITLE, 1), Paragraph(
-        f"Results folder `{table.attrs.get('results_dir', results_dir)}`: {len(table)} rows ({_status_counts(table)}); "
-        f"{len(skipped)} files not read (listed at the end). Written {stamp}.")]
-    if table.empty:
-        return blocks + [Paragraph(
-            f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
-            f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
-    groups = cohorts_of(table)
-    sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
+def _summary(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
     verdicts: list = []
-    blocks += [Heading("This machine, point by point"), Paragraph(
+    blocks: list[Block] = [Heading("This machine, point by point"), Paragraph(
         "One line per point: the fastest cache where its 95% interval clears the next one's, else a tie "
         "(`apart`: compared across runs, not round by round); what the plain cache saves against recomputing, "
         "in time and in FLOPs (far larger: a cached step waits on bytes); peak memory split."),
@@ -129,11 +136,14 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
             f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
             "took the CPUs while they were timed, their steps spread too far, or they beat the roof (a roof "
             "calibrated on a busy machine: re-run with `calibrate=true`). The full table names each reason."))
-    if baseline is not None:
-        blocks += compare.comparison_section(table, baseline, folder)
-    for group in groups:
-        blocks += _group_section(group, folder, sets_by_group[group.slug])
-    blocks += [Heading("Roofs the predictions use"), Paragraph(
+    if not groups:
+        blocks.append(Paragraph("No row here ran and could be predicted, so there is no point to summarise: the "
+                                "rows and their reasons are listed at the end."))
+    return blocks
+
+
+def _roofs(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
+    blocks: list[Block] = [Heading("Roofs the predictions use"), Paragraph(
         "Each prediction is a roofline time: max(FLOPs ÷ peak FLOP/s, bytes ÷ bandwidth), per decode step, "
         "averaged over the point's decode steps. Measured roofs (a calibration) are used where one exists; "
         "otherwise a datasheet, named below."), tables.roofs_table(table)]
@@ -141,7 +151,11 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         blocks.append(Paragraph("**Note:** some rows have no calibration and no matching datasheet: they are "
                                 "predicted with a stand-in datasheet, so their ratios compare this machine "
                                 "with that device, not with this machine's own roofs."))
-    blocks += [Heading("Every row beside its prediction"), Paragraph(
+    return blocks
+
+
+def _every_row(table: pd.DataFrame) -> list[Block]:
+    return [Heading("Every row beside its prediction"), Paragraph(
         "Ratios are measured ÷ analytic. Times are per decode step (no_cache: one full recompute), the "
         "prediction averaged over the point's decode steps; `bound` is what the roofline predicts limits "
         "that step. Bytes per step come from a hardware counter where one ran (`ncu`), else from the "
@@ -149,11 +163,40 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         "batch × (ctx + decode_tokens) × kv_bytes_per_token. Rows that did not run are listed at the end; "
         "columns empty in every row are left out. The same table is `rows.csv` beside this report."),
         tables.rows_table(table)]
-    blocks += layout_section(groups, folder)
-    blocks += format_section(groups, folder)
-    blocks += overhead_section(groups, folder)
-    blocks += answers(table, groups, sets_by_group)
-    return blocks + _not_measured(table)
+
+
+def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
+                 baseline: pd.DataFrame | None = None) -> list[Block]:
+    """Every section, each built on its own (harness.report.guard): one that fails leaves its heading
+    and a line naming the fault, and the others are built as usual."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    skipped = table.attrs.get("skipped_files", [])
+    blocks: list[Block] = [Heading(TITLE, 1), Paragraph(
+        f"Results folder `{table.attrs.get('results_dir', results_dir)}`: {len(table)} rows ({_status_counts(table)}); "
+        f"{len(skipped)} files not read (listed at the end). Written {stamp}.")]
+    if table.empty:
+        return blocks + [Paragraph(
+            f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
+            f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
+    groups = cohorts_of(table)
+    sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
+    sections = [("This machine, point by point", lambda: _summary(table, groups))]
+    if baseline is not None:
+        sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder)))
+    sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]))
+                 for g in groups]
+    sections += [
+        ("Roofs the predictions use", lambda: _roofs(table, groups)),
+        ("Every row beside its prediction", lambda: _every_row(table)),
+        ("Which layout wins where", lambda: layout_section(groups, folder)),
+        ("What fewer bytes buy", lambda: format_section(groups, folder)),
+        ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
+        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group)),
+        ("Rows and files not measured", lambda: _not_measured(table)),
+    ]
+    for heading, build in sections:
+        blocks += guard.section(heading, build)
+    return blocks
 
 
 def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None,
@@ -192,8 +235,7 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
         _write_whole(files.markdown, to_markdown(blocks))
-        rows_table = next(b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]) \
-            if not table.empty else None
+        rows_table = next((b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]), None)
         if rows_table is not None:
             _write_whole(files.csv, pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(index=False))
         _write_whole(files.html, to_html(blocks, TITLE))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from harness.analysis.analytic import Roof
@@ -36,8 +37,9 @@ class Cohort:
     roof_description: str  # which calibration or datasheet, and why
     decode_tokens: int  # decode steps per point (the most common value)
     rows: pd.DataFrame  # every row of the group, whatever its status
-    ok: pd.DataFrame  # rows with status ok, a prediction, and numbers to trust (not noisy)
+    ok: pd.DataFrame  # rows with status ok, a prediction, a usable step time and numbers to trust (not noisy)
     layouts: dict = field(default_factory=dict)  # strategy -> its CacheLayout (None: no cache), from the rows
+    unusable: pd.DataFrame = field(default_factory=pd.DataFrame)  # status ok, but no finite step time above 0
 
     @property
     def title(self) -> str:
@@ -120,8 +122,9 @@ def cohorts_of(table: pd.DataFrame) -> list[Cohort]:
             continue
         first = predicted.iloc[0]
         ran = predicted[predicted["status"] == "ok"]
+        usable = usable_step(ran)
         noisy = ran["noisy"].fillna(False).astype(bool) if "noisy" in ran else pd.Series(False, index=ran.index)
-        ok = ran[~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
+        ok = ran[usable & ~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
         found.append(Cohort(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(device_name),
@@ -129,10 +132,20 @@ def cohorts_of(table: pd.DataFrame) -> list[Cohort]:
             roof=Roof(float(first["roof_flops_used"]), float(first["roof_bandwidth_used"])),
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
-            rows=rows, ok=ok,
+            rows=rows, ok=ok, unusable=ran[~usable],
             layouts={name: layout_of(mine.iloc[0]) for name, mine in rows.groupby(SERIES)},
         ))
     return sorted(found, key=lambda g: -len(g.ok))
+
+
+def usable_step(rows: pd.DataFrame) -> pd.Series:
+    """Whether each row's decode step time is a time: finite and above 0. A row can record none (a
+    column null in every row of an odd folder) or a 0, a negative or an infinity (a clock that did not
+    move, a foreign writer): nothing such can be drawn on a log axis or divided by."""
+    if "decode_step_s" not in rows:
+        return pd.Series(False, index=rows.index)
+    step = pd.to_numeric(rows["decode_step_s"], errors="coerce").astype(float)
+    return step.notna() & np.isfinite(step) & (step > 0)
 
 
 def _with_usual_conditions(table: pd.DataFrame) -> pd.DataFrame:
@@ -145,5 +158,7 @@ def _with_usual_conditions(table: pd.DataFrame) -> pd.DataFrame:
             continue
         usual = table.groupby(["model", "device", "dtype"])[column].transform(
             lambda values: values.mode().iloc[0] if values.notna().any() else None)
-        table = table.assign(**{column: table[column].fillna(usual).fillna(fallback)})
+        values = table[column].astype(object)  # object: filled from a Series of another dtype without a cast
+        known = values.where(values.notna(), usual.astype(object))
+        table = table.assign(**{column: known.where(known.notna(), fallback)})
     return table

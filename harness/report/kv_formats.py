@@ -1,99 +1,46 @@
-"""The section "what fewer bytes buy": for each cache that stores fewer bits per value (a quantized
-format, read from the rows' cache_value_bits), its bytes per token, its step-time speedup over the
-plain exact cache at the same points (measured and predicted), and how far it moved the outputs
-(the accuracy columns, measured against an exact reference; with a prompt file, the perplexity of
-its text through both); one plot of speedup against accuracy. Each group says where its accuracy came
-from: seeded random weights, which do not predict a real model's, or a checkpoint's.
+"""The section "what fewer bytes buy": per group where a cache stored below the compute dtype's width
+(or any approximate cache) ran, one table and one plot of the trade-off. The table sets every cache
+variant of those points beside the exact reference cache: bytes held per token, the step time against
+the reference's (paired rounds of one group), and how far its outputs moved (KL divergence with its
+interval, p99 and max; same top-1; the perplexity ratio on a prompt file's text); exact variants read
+"exact". The plot puts bytes per token against mean KL, log axes, intervals as error bars, with the
+Pareto front drawn (harness.report.tradeoff computes every figure). Each group says where its accuracy
+came from: a checkpoint's weights, or seeded random ones, which do not predict a real model's.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+from harness.report import units as fmt
+from harness.report.cohorts import Cohort
+from harness.report.document import Block, Figure, Heading, Paragraph, Table
+from harness.report.figures import MARKERS, PALETTE, in_units, legend_outside, log_scale, new_figure, save, title
+from harness.report.tradeoff import (FrontPoint, VariantPoint, front_points, missing_columns, narrow_or_approximate,
+                                     pareto_front, ran_rows, reference_series, variant_points)
 
-from harness.analysis import analytic  # noqa: E402
-from harness.analysis.results import SERIES  # noqa: E402
-from harness.report import units as fmt  # noqa: E402
-from harness.report.document import Block, Figure, Heading, Paragraph, Table  # noqa: E402
-from harness.report.cohorts import Cohort, cached_rows, plain_cache_strategy  # noqa: E402
-from harness.report.plots import DPI, MARKERS, log_scale  # noqa: E402
-from harness.report.verdicts import Comparison, compare  # noqa: E402
-
-HEADER = ["series", "batch", "ctx", "bytes/token", "× plain cache bytes", "speedup measured", "speedup predicted",
-          "top-1 agreement", "KL mean (nats)", "max |Δlogit|", "perplexity exact → cache"]
+HEADER = ["variant", "class", "batch", "ctx", "bytes/token", "× exact", "step ÷ exact [95%]", "roofline ratio",
+          "KL mean [95%], nats", "KL p99", "KL max", "same top-1", "perplexity ratio [95%]", "tokens scored (after ctx)",
+          "Pareto front"]
 RANDOM_WEIGHTS_WARNING = (
     "Random weights do not predict real accuracy: a real model's keys carry a few outlier channels, which "
     "per-token scales quantize worst (the reason KIVI scales keys per channel), and random keys have none. "
     "Judge a format on a checkpoint and real text: `model.checkpoint=PATH prompt=PATH` (docs/method.md).")
-
-
-def ran_rows(group: Cohort) -> pd.DataFrame:
-    """Rows that ran, noisy ones included: a noisy row's accuracy columns do not depend on the machine's
-    load, only its times do (comparisons leaves those out)."""
-    return group.rows[group.rows["status"] == "ok"].dropna(subset=["decode_step_s"])
-
-
-def noisy(row: pd.Series) -> bool:
-    return bool(row.get("noisy")) if not pd.isna(row.get("noisy")) else False
-
-
-def narrow_rows(group: Cohort) -> pd.DataFrame:
-    """Rows that ran of caches stored below the compute dtype's width."""
-    cached = cached_rows(ran_rows(group))
-    return cached[cached["cache_value_bits"].fillna(0) > 0] if "cache_value_bits" in cached else cached.iloc[0:0]
-
-
-def comparisons(group: Cohort) -> list[dict]:
-    """One dict per narrow row that has a plain-cache row at the same batch and ctx; the measured speedup
-    is None where either row is noisy."""
-    ran = ran_rows(group)
-    plain_name = plain_cache_strategy(ran)
-    if plain_name is None:
-        return []
-    plain = ran[ran[SERIES] == plain_name].set_index(["batch", "ctx"])
-    plain_per_token = analytic.kv_bytes_per_token(group.shape, group.dtype, group.layouts[plain_name])
-    found = []
-    for _, row in narrow_rows(group).iterrows():
-        key = (row["batch"], row["ctx"])
-        if key not in plain.index:
-            continue
-        reference = plain.loc[key]
-        reference = reference.iloc[0] if isinstance(reference, pd.DataFrame) else reference
-        per_token = analytic.kv_bytes_per_token(group.shape, group.dtype, group.layouts[row[SERIES]])
-        found.append({
-            "series": row[SERIES], "batch": int(row["batch"]), "ctx": int(row["ctx"]),
-            "bytes_per_token": per_token, "bytes_ratio": per_token / plain_per_token,
-            "measured": None if noisy(row) or noisy(reference) else speedup(ran, plain_name, row),
-            "predicted": reference["analytic_decode_step_s"] / row["analytic_decode_step_s"],
-            "top1": row.get("top1_agreement"), "kl": row.get("logit_kl_mean"), "max_abs": row.get("logit_max_abs_error"),
-            "perplexity": row.get("perplexity"), "perplexity_reference": row.get("perplexity_reference"),
-        })
-    return found
-
-
-def speedup(ran: pd.DataFrame, plain_name: str, row) -> Comparison:
-    """The plain cache's step over this row's at its point (above 1: the narrow cache is faster),
-    round by round where the two were timed together (harness.report.verdicts.compare)."""
-    at_point = ran[(ran["batch"] == row["batch"]) & (ran["ctx"] == row["ctx"])]
-    return compare(at_point[at_point[SERIES] == plain_name], at_point[at_point[SERIES] == row[SERIES]])
-
-
-def perplexity_text(found: dict) -> str:
-    """"exact → cache (+delta)", or a dash where no prompt file gave text to score."""
-    cache, exact = found["perplexity"], found["perplexity_reference"]
-    if pd.isna(cache) or pd.isna(exact):
-        return "–"
-    return f"{exact:.4g} → {cache:.4g} ({cache - exact:+.3g})"
+FRONT_CAPTION = (
+    "Bytes per token held once the scored tokens have followed the context (payload, scales and the full-width "
+    "window, analytic: a windowed cache's figure can differ a little from the table's, taken at the point's own "
+    "length) against the mean KL divergence from the exact reference per scored token, log axes; bars: the KL's "
+    "95% interval. Filled markers sit on the "
+    "Pareto front (no variant holds fewer bytes with as little KL), joined by the dashed line; hollow ones are "
+    "beaten on both. Exact variants (KL 0) sit on the bottom line.")
 
 
 def weights_note(group: Cohort) -> str:
     """Where the group's accuracy figures came from: random weights (with the warning), a checkpoint
     (its folder and hash) and the prompt (a file, or random ids)."""
-    rows = narrow_rows(group)
+    rows = narrow_or_approximate(ran_rows(group))
     weights = rows["weights"].fillna("random") if "weights" in rows else pd.Series("random", index=rows.index)
     parts = []
     if (weights == "checkpoint").any():
@@ -109,53 +56,139 @@ def weights_note(group: Cohort) -> str:
     return " ".join(parts)
 
 
-def speedup_against_accuracy(group: Cohort, found: list[dict], folder: Path) -> Path | None:
-    measured = [f for f in found if not pd.isna(f["kl"]) and f["measured"] is not None]
-    if not measured:
+def _with_interval(middle: float, low: float, high: float, digits: str) -> str:
+    bounds = f" [{low:{digits}}–{high:{digits}}]" if high > low else ""
+    return f"{middle:{digits}}{bounds}"
+
+
+def _number(value, digits: str = ".3g") -> str:
+    return "–" if value is None else f"{value:{digits}}"
+
+
+def front_cell(point: VariantPoint, front: set, contexts: list[int]) -> str:
+    """Whether the variant is on the Pareto front after the context its accuracy followed; an exact one
+    after each context any was measured after ("yes" after all, else which)."""
+    mine = [ctx for ctx in contexts if (ctx, point.series) in front]
+    if not point.accuracy.exact:
+        return "yes" if point.accuracy_ctx in mine else ""
+    if not mine or mine == contexts:
+        return "yes" if mine else ""
+    return ", ".join(f"after {ctx:,}" for ctx in mine)
+
+
+def table_row(point: VariantPoint, front: set, contexts: list[int]) -> list[str]:
+    accuracy = point.accuracy
+    if point.is_reference:
+        step = "reference"
+    elif point.noisy:
+        step = "noisy"
+    else:
+        step = "–" if point.step is None else point.step.text()
+    if accuracy.exact:
+        kl = perplexity = "exact"
+    else:
+        kl = "–" if accuracy.kl is None else _with_interval(accuracy.kl.median, accuracy.kl.low, accuracy.kl.high, ".2g")
+        perplexity = "–" if accuracy.perplexity is None else _with_interval(
+            accuracy.perplexity.median, accuracy.perplexity.low, accuracy.perplexity.high, ".4f")
+    scored = "–" if accuracy.tokens is None else f"{accuracy.tokens:,} (after {point.accuracy_ctx:,})"
+    return [point.series, point.family, fmt.count(point.batch), fmt.count(point.ctx), fmt.nbytes(point.bytes_per_token),
+            fmt.ratio(point.bytes_ratio), step, fmt.ratio(point.predicted), kl, _number(accuracy.kl_p99),
+            _number(accuracy.kl_max), _number(accuracy.top1), perplexity, scored, front_cell(point, front, contexts)]
+
+
+def front_plot(group: Cohort, found: list[FrontPoint], front: set, folder: Path) -> Path | None:
+    """Bytes per token against mean KL, one panel per context the accuracy followed, the front drawn."""
+    if not found:
         return None
-    fig, ax = plt.subplots(figsize=(8.0, 4.8))
-    for i, series in enumerate(sorted({f["series"] for f in measured})):
-        mine = [f for f in measured if f["series"] == series]
-        ax.plot([f["measured"].ratio.median for f in mine], [max(f["kl"], 1e-12) for f in mine], MARKERS[i % len(MARKERS)],
-                ms=8, label=series)
-    ax.axvline(1.0, color="#999", lw=0.8)
-    log_scale(ax, "y", lambda kl: f"{kl:g}")
-    ax.set_xlabel("decode step speedup over the plain exact cache (measured)")
-    ax.set_ylabel("mean KL(reference || cache), nats")
-    ax.set_title(f"What fewer bytes buy, and what they cost\n{group.title}", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(folder) / f"speedup_vs_accuracy_{group.slug}.png"
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    contexts = sorted({p.accuracy_ctx for p in found})
+    names = sorted({p.series for p in found})
+    measured = [v for p in found if not p.accuracy.exact for v in (p.accuracy.kl.low, p.accuracy.kl.median)]
+    floor = min(v for v in measured if v > 0) / 10 if any(v > 0 for v in measured) else 1e-6
+    fig, axes = new_figure(4.6 * len(contexts) + 2.2, 4.6, columns=len(contexts), squeeze=False, sharey=True)
+    for ax, ctx in zip(axes[0], contexts):
+        here = [p for p in found if p.accuracy_ctx == ctx]
+        for p in here:
+            i, kl = names.index(p.series), max(p.accuracy.kl_or_zero, floor)
+            err = None if p.accuracy.exact else [[max(kl - max(p.accuracy.kl.low, floor), 0)],
+                                                 [max(p.accuracy.kl.high - kl, 0)]]
+            colour = PALETTE[i % len(PALETTE)]
+            ax.errorbar([p.bytes_per_token], [kl], yerr=err, fmt=MARKERS[i % len(MARKERS)], ms=8, capsize=3, color=colour,
+                        mfc=colour if (ctx, p.series) in front else "white",
+                        label=f"{p.series} (exact)" if p.accuracy.exact else p.series)
+        line = sorted((p.bytes_per_token, max(p.accuracy.kl_or_zero, floor)) for p in here if (ctx, p.series) in front)
+        if len(line) > 1:
+            ax.plot(*np.array(line).T, "--", color="#555", lw=1.0, zorder=0, label="Pareto front")
+        ax.axhline(floor, color="#999", ls=":", lw=0.8)
+        ax.annotate("exact: KL 0", (0.02, floor), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                    textcoords="offset points", fontsize=7, color="#666")  # left: exact caches hold the most bytes
+        log_scale(ax, "x", in_units("B"))
+        log_scale(ax, "y", lambda v: f"{v:g}")
+        ax.set_ylim(bottom=floor / 2)
+        ax.set_title(f"KL over the tokens after ctx {ctx:,}", fontsize=9)
+        ax.set_xlabel("cache bytes per token held")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel("mean KL(reference ‖ variant), nats")
+    legend_outside(fig, axes[0], "filled: on the front")
+    title(fig, f"What fewer bytes buy: bytes per token against accuracy\n{group.title}")
+    return save(fig, folder, f"bytes_vs_kl_{group.slug}.png")
+
+
+def front_sentence(found: list[FrontPoint], front: set) -> str:
+    """The front after each context, from the fewest bytes; variants equal on both axes named together."""
+    parts = []
+    for ctx in sorted({c for c, _ in front}):
+        members: dict[tuple[float, float], list[FrontPoint]] = {}
+        for p in sorted(found, key=lambda p: (p.bytes_per_token, p.series)):
+            if p.accuracy_ctx == ctx and (ctx, p.series) in front:
+                members.setdefault((p.bytes_per_token, p.accuracy.kl_or_zero), []).append(p)
+        parts.append(f"after ctx {ctx:,}: " + ", ".join(
+            f"{', '.join(f'`{p.series}`' for p in same)} ({fmt.nbytes(per_token)}/token, "
+            f"{'exact' if kl == 0 else 'KL ' + format(kl, '.2g')})" for (per_token, kl), same in members.items()))
+    return ("**On the Pareto front** of bytes against KL, " + "; ".join(parts) + ". Every other variant holds as many "
+            "bytes or more for as much KL or more.")
+
+
+def _group_blocks(group: Cohort, folder: Path) -> list[Block]:
+    ran = ran_rows(group)
+    reference = reference_series(ran)
+    points = variant_points(group)
+    out: list[Block] = [Heading(group.title, 3), Paragraph(weights_note(group))]
+    if not points:
+        return out + [Paragraph("No exact cache ran beside these narrow caches, so there is nothing to set their bytes, "
+                                "speed and accuracy against: add `strategy=contiguous` to the sweep.")]
+    missing = missing_columns(group, reference)
+    if missing:
+        out.append(Paragraph("Not recorded in these rows (written before the harness measured them, or without an "
+                             f"accuracy pass): {', '.join(f'`{c}`' for c in missing)}; their cells read –."))
+    found = front_points(group, points)
+    front = pareto_front(found)
+    contexts = sorted({p.accuracy_ctx for p in found})
+    out += [Paragraph(f"Ratios against `{reference}`, the exact cache measured in the same rounds."),
+            Table(HEADER, [table_row(p, front, contexts) for p in points], [False, False] + [True] * 12 + [False])]
+    if front:
+        out.append(Paragraph(front_sentence(found, front)))
+    path = front_plot(group, found, front, folder)
+    out.append(Figure(path, FRONT_CAPTION) if path is not None else
+               Paragraph("*(plot omitted: no approximate variant here has a measured KL: with prefill=random no "
+                         "prompt runs, so nothing is scored)*"))
+    return out
 
 
 def format_section(groups: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("What fewer bytes buy"), Paragraph(
-        "Caches that store K/V below the compute dtype's width, at every point where the plain exact cache "
-        "also ran: bytes per token (payload, scales and the full-width window, analytic), the step-time "
-        "speedup over the plain cache, measured and predicted (the roofline's, from each layout's bytes), "
-        "and how far the outputs moved: top-1 agreement, mean KL and the largest logit error over teacher-"
-        "forced steps against the exact reference (null with prefill=random, which runs no prompt), and with a "
-        "prompt file the perplexity of its text through the exact reference and through the cache.")]
+        "Per group where a cache stored below the compute dtype's width (or an approximate one) ran: every cache "
+        "variant at those points beside the exact reference cache. Bytes per token held at the point's length "
+        "(payload, scales and the full-width window, analytic); the step time against the reference's, paired "
+        "over rounds timed together (a tie where the interval holds 1), and the roofline's ratio from each "
+        "layout's bytes; how far the outputs moved over teacher-forced tokens: mean KL divergence from the "
+        "reference with its 95% interval, its p99 and max, the share with the same top-1 token, and with a "
+        "prompt file the perplexity ratio on its text. Exact variants read `exact`.")]
     shown = False
     for group in groups:
-        found = comparisons(group)
-        if not found:
+        if narrow_or_approximate(ran_rows(group)).empty:
             continue
         shown = True
-        body = [[f["series"], fmt.count(f["batch"]), fmt.count(f["ctx"]), fmt.nbytes(f["bytes_per_token"]),
-                 fmt.ratio(f["bytes_ratio"]), "noisy" if f["measured"] is None else f["measured"].text(),
-                 fmt.ratio(f["predicted"]),
-                 "–" if pd.isna(f["top1"]) else f"{f['top1']:.3f}", "–" if pd.isna(f["kl"]) else f"{f['kl']:.3g}",
-                 "–" if pd.isna(f["max_abs"]) else f"{f['max_abs']:.3g}", perplexity_text(f)] for f in found]
-        out += [Heading(group.title, 3), Paragraph(weights_note(group)), Table(HEADER, body, [False] + [True] * 10)]
-        path = speedup_against_accuracy(group, found, folder)
-        if path is not None:
-            out.append(Figure(path, "Each point: a quantized cache at one batch × ctx. Right is faster than the exact "
-                                    "cache; down is closer to its outputs."))
+        out += _group_blocks(group, folder)
     if not shown:
         out.append(Paragraph("No quantized cache ran beside the plain cache here, e.g. "
                              "`python -m harness.run -m strategy=quantized strategy.format=int8,int4,fp8_e4m3` and "

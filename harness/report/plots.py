@@ -8,68 +8,42 @@ share (harness.report.compare), which span groups.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-import matplotlib
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")  # no display: the report runs headless
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
-import numpy as np  # noqa: E402
+from harness.analysis import analytic
+from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
+from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
+                                    new_figure, save, title)
 
-from harness.analysis import analytic  # noqa: E402
-from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES  # noqa: E402
-
-REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
-STRATEGY_COLOURS = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per cache where colour already means the batch
+STRATEGY_COLOURS = PALETTE
+OTHER_COLOUR = "#7f7f7f"  # a series that is neither the reference nor a cache
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-DPI = 110
 
 
-def _colour(group: Cohort, strategy: str) -> str:
-    """One colour per strategy within a group, the same in every plot of it."""
-    if strategy in set(reference_rows(group.rows)[SERIES]):
-        return REFERENCE_COLOUR
-    cached = [s for s in ordered_strategies(group.rows) if s in set(cached_rows(group.rows)[SERIES])]
-    return STRATEGY_COLOURS[cached.index(strategy) % len(STRATEGY_COLOURS)] if strategy in cached else "#7f7f7f"
+def _colours(group: Cohort) -> dict[str, str]:
+    """One colour per strategy within a group, the same in every plot of it (the reference's red)."""
+    references, caches = set(reference_rows(group.rows)[SERIES]), set(cached_rows(group.rows)[SERIES])
+    cached = [s for s in ordered_strategies(group.rows) if s in caches]
+    colours = {s: STRATEGY_COLOURS[i % len(STRATEGY_COLOURS)] for i, s in enumerate(cached)}
+    return {**colours, **dict.fromkeys(references, REFERENCE_COLOUR)}
 
 
-def _save(fig, folder: Path, name: str) -> Path:
-    path = Path(folder) / name
-    fig.savefig(path, dpi=DPI)  # every figure is laid out by tight_layout already
-    plt.close(fig)
-    return path
+def floats(values) -> np.ndarray:
+    """Numbers as floats, NaN for what is missing (None, pandas' NA of a nullable column)."""
+    return pd.to_numeric(pd.Series(list(values), dtype=object), errors="coerce").to_numpy(dtype=float, copy=True)
 
 
-class _LogTicks(matplotlib.ticker.LogFormatterSciNotation):
-    """Labels the ticks matplotlib's log formatter labels (the decades; a few minor ticks on a short axis)
-    as plain text ("10 ms", "1 GB", "0.5x") rather than as powers of ten, which read slower and go
-    through matplotlib's math-text parser, the costliest part of drawing a report's text."""
-
-    def __init__(self, text: Callable[[float], str]):
-        super().__init__()
-        self.text = text  # value -> its label
-
-    def __call__(self, x, pos=None) -> str:
-        return self.text(x) if super().__call__(x, pos) else ""
-
-
-def in_units(unit: str) -> Callable[[float], str]:
-    """Engineering notation with the unit: 0.01 -> "10 ms" for seconds, 2e9 -> "2 GB" for bytes."""
-    return matplotlib.ticker.EngFormatter(unit=unit, sep=" ")
-
-
-def as_ratio(value: float) -> str:
-    return f"{value:g}x"
-
-
-def log_scale(ax, which: str, text: Callable[[float], str]) -> None:
-    """A log scale on the x or y axis (`which`), its ticks labelled by `text`."""
-    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
-    axis = ax.xaxis if which == "x" else ax.yaxis
-    axis.set_major_formatter(_LogTicks(text))
-    axis.set_minor_formatter(_LogTicks(text))
+def positive(rows, *columns):
+    """The rows whose `columns` are all finite and above 0: what a log axis can draw."""
+    keep = np.ones(len(rows), dtype=bool)
+    for column in columns:
+        values = floats(rows[column]) if column in rows else np.full(len(rows), np.nan)
+        keep &= np.isfinite(values) & (values > 0)
+    return rows[keep]
 
 
 def _context_axis(ax, ctxs) -> None:
@@ -94,14 +68,15 @@ def _mean_step(group: Cohort, batch: int, ctx: int, layout) -> analytic.MeanStep
 def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False) -> Optional[Path]:
     """Decode step time against context, one panel per batch: points measured, lines the roofline.
     cached_only: the caches alone (the layouts compared), without the recompute reference."""
-    ok = group.ok.dropna(subset=["decode_step_s"])
+    ok = positive(group.ok, "decode_step_s")
     if cached_only:
         ok = cached_rows(ok)
     if ok.empty:
         return None
     batches = sorted(ok["batch"].unique())
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches) + 0.6, 4.0), squeeze=False, sharey=True)
+    fig, axes = new_figure(4.2 * len(batches) + 2.4, 4.2, columns=len(batches), squeeze=False, sharey=True)
     grid = _context_grid(ok["ctx"])
+    colours = _colours(group)
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
         for strategy in ordered_strategies(ok):
@@ -109,7 +84,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
             if mine.empty:
                 continue
             line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
-            ax.plot(grid, line, "-", color=_colour(group, strategy), alpha=0.55, lw=1.6)
+            ax.plot(grid, line, "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
             err = None
             bounds = [(low, high) for low, high in (("decode_step_ci_low_s", "decode_step_ci_high_s"),
                                                     ("decode_step_p10_s", "decode_step_p90_s"))
@@ -119,7 +94,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
                 low = (mine["decode_step_s"] - mine[low_column]).clip(lower=0).fillna(0)
                 high = (mine[high_column] - mine["decode_step_s"]).clip(lower=0).fillna(0)
                 err = [low.to_numpy(float), high.to_numpy(float)]
-            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=_colour(group, strategy),
+            ax.errorbar(mine["ctx"], mine["decode_step_s"], yerr=err, fmt="o", color=colours.get(strategy, OTHER_COLOUR),
                         ms=5, capsize=2, label=strategy)
         _context_axis(ax, ok["ctx"])
         log_scale(ax, "y", in_units("s"))
@@ -128,28 +103,20 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
         ax.grid(True, which="major", alpha=0.3)
     axes[0][0].set_ylabel("decode step time")
     axes[0][0].plot([], [], "-", color="#888", label="roofline (lines)")  # legend entry for the lines
-    legend = {}  # label -> handle, across panels (a strategy may be missing from one batch)
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    # outside the panels, so it never hides a measured point
-    fig.legend(legend.values(), legend.keys(), title="dots: measured (bars: 95% interval)", fontsize=8,
-               title_fontsize=8, loc="center right")
-    fig.suptitle(f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n"
-                 f"{group.title}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
-    return _save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{group.slug}.png")
+    legend_outside(fig, axes[0], "dots: measured (bars: 95% interval)")
+    title(fig, f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n{group.title}")
+    return save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{group.slug}.png")
 
 
 def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
     """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context."""
-    ok = group.ok.dropna(subset=["decode_step_s"])
+    ok = positive(group.ok, "decode_step_s")
     cached_name = group.plain_cache()
     if cached_name is None or reference_rows(ok).empty:
         return None
     plain = group.layouts[cached_name]
     grid = _context_grid(ok["ctx"])
-    fig, ax = plt.subplots(figsize=(8.5, 5.0))
+    fig, ax = new_figure(10.5, 5.0)
     flop_ratio = [_mean_step(group, 1, int(c), None).flops / _mean_step(group, 1, int(c), plain).flops for c in grid]
     ax.plot(grid, flop_ratio, "-", color="black", lw=2.2, label="FLOP ratio (analytic, any batch)")
     for i, batch in enumerate(sorted(ok["batch"].unique())):
@@ -168,12 +135,11 @@ def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
     ax.set_xlabel("context (tokens before the first decode step)")
     reference = ", ".join(sorted(reference_rows(ok)[SERIES].unique()))
     ax.set_ylabel(f"{reference} ÷ cache, per decode step")
-    ax.set_title(f"What a cache saves: FLOPs (black) against time (dashed: roofline of {cached_name}, "
-                 f"markers: measured per cache)\n{group.title}", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    return _save(fig, folder, f"no_cache_over_cache_{group.slug}.png")
+    legend_outside(fig, [ax])
+    title(fig, f"What a cache saves: FLOPs (black) against time (dashed: roofline of {cached_name}, "
+               f"markers: measured per cache)\n{group.title}")
+    return save(fig, folder, f"no_cache_over_cache_{group.slug}.png")
 
 
 def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
@@ -190,38 +156,38 @@ def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     per_token = analytic.kv_bytes_per_token(group.shape, group.dtype)
     weights = analytic.weight_bytes(group.shape, group.dtype)
     crossover = analytic.tokens_to_match_weights(group.shape, group.dtype)
-    cached = cached_rows(group.ok).dropna(subset=["kv_cache_bytes"])
+    cached = positive(cached_rows(group.ok), "kv_cache_bytes")
     tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
     high = max([crossover * 4, *(tokens * 2)])
     grid = np.geomspace(1, high, 100)
-    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    fig, ax = new_figure(10.0, 4.8)
     ax.plot(grid, grid * per_token, "-", color="#1f77b4", lw=1.8,
             label=f"cache, analytic: {per_token:,} B per token")
     ax.axhline(weights, color="black", lw=1.6, label=f"weights: {weights / 2**20:,.1f} MiB")
     ax.axvline(crossover, color="#d62728", ls=":", lw=1.4)
     ax.annotate(f"cache = weights at\n{crossover:,.0f} tokens", (crossover, weights), xytext=(8, -40),
                 textcoords="offset points", color="#d62728", fontsize=9)
+    colours = _colours(group)
     for strategy in sorted(cached[SERIES].unique()):
         mine = cached[cached[SERIES] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
-                color=_colour(group, strategy), ms=6, label=f"{strategy}: allocated, measured")
+                color=colours.get(strategy, OTHER_COLOUR), ms=6, label=f"{strategy}: allocated, measured")
     log_scale(ax, "x", in_units(""))
     log_scale(ax, "y", in_units("B"))
     ax.set_xlabel("batch × tokens held (ctx + decode_tokens per sequence)")
     ax.set_ylabel("bytes")
-    ax.set_title(f"KV cache against weights\n{group.title}", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    return _save(fig, folder, f"cache_bytes_{group.slug}.png")
+    legend_outside(fig, [ax])
+    title(fig, f"KV cache against weights\n{group.title}")
+    return save(fig, folder, f"cache_bytes_{group.slug}.png")
 
 
 def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
     """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
-    ok = cached_rows(group.ok)
+    ok = positive(cached_rows(group.ok), "decode_step_s")
     ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
     grid = _context_grid(ctxs)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13.0, 4.6))
+    fig, (left, right) = new_figure(14.0, 4.8, columns=2)
     for i, batch in enumerate(sorted(set(ok["batch"]) or {1})):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
         prefill = [analytic.prefill_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
@@ -234,11 +200,11 @@ def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
                 continue
             marker = MARKERS[j % len(MARKERS)]
             decode_t = mine["decode_step_s"] / mine["batch"]
-            prefill_t = mine["prefill_s"] / (mine["batch"] * mine["ctx"])
             right.plot(mine["ctx"], decode_t, marker + "-", color=colour, ms=5, label=f"decode, {strategy}, batch {batch}")
-            if prefill_t.notna().any():
-                right.plot(mine["ctx"], prefill_t, marker + "--", color=colour, ms=5, mfc="none",
-                           label=f"prefill, {strategy}, batch {batch}")
+            prefilled = positive(mine, "prefill_s")
+            if not prefilled.empty:
+                right.plot(prefilled["ctx"], prefilled["prefill_s"] / (prefilled["batch"] * prefilled["ctx"]), marker + "--",
+                           color=colour, ms=5, mfc="none", label=f"prefill, {strategy}, batch {batch}")
     left.set_title("bytes moved per token (analytic)", fontsize=10)
     left.set_ylabel("bytes per token")
     right.set_title("time per token (measured, cached strategies)", fontsize=10)
@@ -248,10 +214,10 @@ def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
         log_scale(ax, "y", in_units(unit))
         ax.set_xlabel("prompt length / context (tokens)")
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(f"Prefill against decode, per token\n{group.title}", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, folder, f"prefill_vs_decode_{group.slug}.png")
+        if ax.get_legend_handles_labels()[0]:  # beside its own panel: the two panels' entries differ
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    title(fig, f"Prefill against decode, per token\n{group.title}")
+    return save(fig, folder, f"prefill_vs_decode_{group.slug}.png")
 
 
 def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path]:
@@ -271,11 +237,13 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
             measured_tps.append(row["tokens_per_s"])
             roofline_tps.append(row["analytic_tokens_per_s"])
     x = np.arange(len(labels))
-    fig, (mem, tps) = plt.subplots(1, 2, figsize=(min(15.0, max(10.0, 1.1 * len(labels) * 2)), 4.8))
+    measured_tps = floats(measured_tps)
+    measured_tps[~(np.isfinite(measured_tps) & (measured_tps > 0))] = np.nan  # a log axis draws no 0
+    fig, (mem, tps) = new_figure(min(17.0, max(12.0, 1.1 * len(labels) * 2 + 2)), 4.8, columns=2)
     width = 0.27
-    mem.bar(x - width, np.asarray(analytic_cache, float) / 2**20, width, color="#1f77b4", label="cache at batch×ctx (analytic)")
-    mem.bar(x, np.asarray(allocated, float) / 2**20, width, color="#aec7e8", label="cache allocated (measured)")
-    mem.bar(x + width, np.asarray(peak, float) / 2**20, width, color="#c7c7c7", label="peak memory (measured)")
+    mem.bar(x - width, floats(analytic_cache) / 2**20, width, color="#1f77b4", label="cache at batch×ctx (analytic)")
+    mem.bar(x, floats(allocated) / 2**20, width, color="#aec7e8", label="cache allocated (measured)")
+    mem.bar(x + width, floats(peak) / 2**20, width, color="#c7c7c7", label="peak memory (measured)")
     mem.set_ylabel("MiB")
     mem.set_title("memory: equal at equal batch × ctx", fontsize=10)
     tps.bar(x - width / 2, measured_tps, width, color="#ff7f0e", label="measured")
@@ -288,12 +256,11 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
             ax.axvline(boundary, color="#bbb", lw=0.8, ls="--")
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_xlabel("batch × ctx")
-        ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.25)
+    legend_outside(fig, (mem, tps))
     strategy = sets[0][1][SERIES].iloc[0]
-    fig.suptitle(f"Many short sequences against few long ones ({strategy})\n{group.title}", fontsize=10)
-    fig.tight_layout()
-    return _save(fig, folder, f"equal_batch_tokens_{group.slug}.png")
+    title(fig, f"Many short sequences against few long ones ({strategy})\n{group.title}")
+    return save(fig, folder, f"equal_batch_tokens_{group.slug}.png")
 
 
 def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
@@ -304,18 +271,17 @@ def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
         return None
     labels = [f"{r[SERIES]}\n{int(r['batch'])}×{int(r['ctx'])}" for r, _ in rows]
     weights, cache, rest = (np.array([split[i] for _, split in rows]) / 2**20 for i in (1, 2, 3))
-    fig, ax = plt.subplots(figsize=(min(16.0, max(8.0, 0.45 * len(rows) + 2)), 4.8))
+    fig, ax = new_figure(min(18.0, max(10.0, 0.45 * len(rows) + 4)), 4.8)
     x = np.arange(len(rows))
     ax.bar(x, weights, color="#7f7f7f", label="weights")
     ax.bar(x, cache, bottom=weights, color="#1f77b4", label="KV cache (allocated)")
     ax.bar(x, rest, bottom=weights + cache, color="#ff7f0e", label="the rest (activations, slack)")
     ax.set_xticks(x, labels, fontsize=6, rotation=90)
     ax.set_ylabel("MiB at the point's peak")
-    ax.set_title(f"Peak memory per point: weights, cache and the rest\n{group.title}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, folder, f"peak_memory_{group.slug}.png")
+    legend_outside(fig, [ax])
+    title(fig, f"Peak memory per point: weights, cache and the rest\n{group.title}")
+    return save(fig, folder, f"peak_memory_{group.slug}.png")
 
 
 KIND_STYLES = {  # how a compared point is drawn, by what its verdict means: (marker, colour)
@@ -329,10 +295,10 @@ def comparison_ratios(labels: list[str], ratios: list[float], verdicts: list[str
     """This run ÷ the baseline per point (harness.report.compare), on a log axis with a line at 1: one
     legend entry per verdict, drawn by its kind (a KIND_STYLES key)."""
     drawn = [(i, r, v, k) for i, (r, v, k) in enumerate(zip(ratios, verdicts, kinds))
-             if r == r and r > 0]  # r == r: not NaN; a log axis has no 0
+             if np.isfinite(r) and r > 0]  # a log axis has no 0
     if not drawn:
         return None
-    fig, ax = plt.subplots(figsize=(min(16.0, max(7.0, 0.4 * len(labels) + 2)), 4.8))
+    fig, ax = new_figure(min(18.0, max(9.0, 0.4 * len(labels) + 4)), 4.8)
     for verdict in dict.fromkeys(v for _, _, v, _ in drawn):
         mine = [(i, r, k) for i, r, v, k in drawn if v == verdict]
         marker, colour = KIND_STYLES[mine[0][2]]
@@ -341,8 +307,7 @@ def comparison_ratios(labels: list[str], ratios: list[float], verdicts: list[str
     log_scale(ax, "y", as_ratio)  # 0.5x, not 5×10⁻¹
     ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
     ax.set_ylabel(f"{quantity}: this run ÷ baseline")
-    ax.set_title(f"This run against the baseline: {quantity} ratio per point", fontsize=10)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, path.parent, path.name)
+    legend_outside(fig, [ax])
+    title(fig, f"This run against the baseline: {quantity} ratio per point")
+    return save(fig, path.parent, path.name)

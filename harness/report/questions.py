@@ -19,6 +19,7 @@ from harness.analysis.analytic import Roof
 from harness.config.paths import config_dir
 from harness.config import ModelConfig, model_config_from
 from harness.analysis.hardware import load_hardware
+from harness.report import guard
 from harness.report import units as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
@@ -271,12 +272,20 @@ def equal_batch_tokens(ref: Reference, groups: list[Cohort], sets_by_group: dict
 
 
 def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
+    """Every answer, each built on its own (harness.report.guard): one that fails costs only itself."""
     ref = reference()
-    return [
+    out: list[Block] = [
         Heading("What a KV cache buys and costs: the questions, answered"),
         Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref.batch}, a {ref.ctx:,}-token prompt "
-                  f"and {ref.steps} decode steps unless stated; measured figures come from the rows above."),
-        *cacheable(ref, table), *bytes_per_token(ref, groups), *growth(ref, groups),
-        *wall_clock_gap(ref, groups), *prefill_decode(ref, groups), *weights_crossover(ref, groups),
-        *equal_batch_tokens(ref, groups, sets_by_group),
-    ]
+                  f"and {ref.steps} decode steps unless stated; measured figures come from the rows above.")]
+    for heading, answer in (
+            ("Why keys and values can be cached and queries cannot", lambda: cacheable(ref, table)),
+            ("Cache bytes per token, for any shape and dtype", lambda: bytes_per_token(ref, groups)),
+            ("How work grows with length: no cache against cache", lambda: growth(ref, groups)),
+            ("Why the wall-clock speedup is far below the FLOP saving", lambda: wall_clock_gap(ref, groups)),
+            ("Prefill against decode: bytes per token", lambda: prefill_decode(ref, groups)),
+            ("How many cached tokens weigh as much as the weights", lambda: weights_crossover(ref, groups)),
+            ("Equal batch × tokens: many short sequences against few long ones",
+             lambda: equal_batch_tokens(ref, groups, sets_by_group))):
+        out += guard.section(heading, answer, level=3)
+    return out

@@ -56,13 +56,16 @@ def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[l
                                     / analytic.generate_flops(group.shape, int(batch), int(ctx), n, group.layouts[plain]))
         split = memory_split(cached if cached is not None else fastest)
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
-        fraction = fastest.get("roofline_fraction")
+        fraction, in_rounds = fastest.get("roofline_fraction"), fastest.get("roofline_fraction_in_rounds")
+        of_roof = "–" if fmt.missing(fraction) else f"{fraction:.0%}"
+        if not fmt.missing(fraction) and not fmt.missing(in_rounds) and abs(in_rounds / fraction - 1) > 0.25:
+            of_roof += f" of the calibrated roof ({in_rounds:.0%} of the read in its own rounds)"  # which was judged
         linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
         step = pooled_step(rows[rows[SERIES] == judged.fastest])
         body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
                      step_text(step),
                      fmt.number(int(batch) / step.median),
-                     str(fastest.get("roof_bound") or "–"), "–" if fmt.missing(fraction) else f"{fraction:.0%}",
+                     str(fastest.get("roof_bound") or "–"), of_roof,
                      time_saved, flops_saved, *memory])
     return body
 

@@ -86,6 +86,15 @@ def not_measured_table(table: pd.DataFrame) -> Table:
                  [False] * 5 + [True, True, False])
 
 
+def unpredicted_table(rows: pd.DataFrame) -> Table:
+    """Rows the analytic model could not predict, with its reason (harness.analysis.results.load)."""
+    body = [[str(r["status"]), str(r[SERIES]), str(r["model"]), str(r["dtype"]), str(r["device"]),
+             fmt.count(r["batch"]), fmt.count(r["ctx"]), str(_get(r, "roof_description") or "–")]
+            for _, r in rows.sort_values(ROW_ORDER).iterrows()]
+    return Table(["status", "strategy", "model", "dtype", "device", "batch", "ctx", "why"], body,
+                 [False] * 5 + [True, True, False])
+
+
 def skipped_files_table(skipped: list[tuple[str, str]]) -> Table:
     return Table(["file", "why it was not read"], [[Path(path).name, reason] for path, reason in skipped])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from harness.analysis.results import SERIES
@@ -66,7 +67,9 @@ def step_text(step: Interval) -> str:
 
 def _times(row) -> list[float]:
     times = row.get(TIMES) if hasattr(row, "get") else None
-    return [float(t) for t in times] if times is not None and len(times) else []
+    if times is None or np.ndim(times) != 1:  # a row of an older schema, read beside newer ones, holds NaN
+        return []
+    return [float(t) for t in times]
 
 
 def pooled_step(rows: pd.DataFrame) -> Interval:

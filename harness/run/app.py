@@ -37,11 +37,12 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from harness.config import ConfigError, register_schemas  # noqa: E402
 from harness.run import capacity_search  # noqa: E402
-from harness.run.execute import PROGRESS, clock, measure_planned, measure_planned_group  # noqa: E402
+from harness.run.execute import PROGRESS, clock, measure_groups, measure_planned  # noqa: E402
 from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
 from harness.run.closing import closing_line  # noqa: E402
-from harness.run.plan import CONFIG_DIR, CONFIG_NAME, PlannedPoint, needs_preflight, plan  # noqa: E402
+from harness.run.plan import (CONFIG_DIR, CONFIG_NAME, PlannedPoint, check_printed_config,  # noqa: E402
+                              needs_preflight, plan)
 from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
 
@@ -93,8 +94,7 @@ def run_point(cfg) -> None:
 
 
 def _run_point(cfg) -> None:
-    for group in job_work(cfg):
-        measure_planned_group(group, sweep_parallelism())
+    measure_groups(job_work(cfg), sweep_parallelism())
 
 
 def _is_full(error: BaseException) -> bool:
@@ -158,7 +158,15 @@ def main() -> int:
     argv = sys.argv[1:]
     register_schemas()
     if not needs_preflight(argv):
-        run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        try:
+            check_printed_config(argv)  # --cfg job --resolve: an interpolation that does not resolve
+            run_point()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        except ValueError as error:  # Hydra's refusal of its own flags (two modes at once, an unknown --cfg kind)
+            print(f"error: command line: {str(error).splitlines()[0]}", file=sys.stderr)
+            return 2
         return 0
     try:
         the_plan = plan(argv, cuda_available)

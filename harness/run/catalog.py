@@ -4,7 +4,10 @@ The group is read from the shipped configs and from any extra config folders (Hy
 `hydra.searchpath=[file:///abs/folder]` on a command line, or the folders in $HARNESS_SEARCHPATH,
 separated by ':', for tools such as the benchmark suite that compose no command line). So a strategy
 added as one Python file and one `strategy/<name>.yaml` in such a folder is known everywhere without
-an edit here. A YAML's file name must be its class's `name`: rows name strategies by class.
+an edit here. A YAML that sets `_target_` is its class's own option and is named as the class (its
+`name`); one that extends another option through its defaults list (`defaults: [quantized, _self_]`)
+is a variant of that class (harness.run.variants), not a class of its own, and the catalog of classes
+leaves it out.
 """
 from __future__ import annotations
 
@@ -28,11 +31,14 @@ def extra_config_dirs() -> list[Path]:
 
 
 def strategy_targets(extra_dirs: Iterable[Path] = ()) -> dict[str, str]:
-    """Option name -> `_target_` class path, over the shipped configs and `extra_dirs`."""
+    """Option name -> `_target_` class path of every class's own option, over the shipped configs and
+    `extra_dirs` (variants, which extend another option, left out)."""
     targets = {}
     for folder in [config_dir(), *extra_dirs, *extra_config_dirs()]:
         for path in sorted(Path(folder, "strategy").glob("*.yaml")):
-            targets[path.stem] = (yaml.safe_load(path.read_text()) or {}).get("_target_", "")
+            node = yaml.safe_load(path.read_text()) or {}
+            if "_target_" in node or not node.get("defaults"):
+                targets[path.stem] = node.get("_target_", "")
     return targets
 
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from harness.measure.contention import ROOF_LIMIT
 from harness.measure.group import GroupRequest, could_be_reference, measure_group
 from harness.measure.decoding import not_run
-from harness.run import calibrate
+from harness.run import calibrate, windows
 from harness.run.grouping import PlannedGroup
 from harness.run.isolation import run_inline, run_isolated
 from harness.run.metadata import git_commit, same_code
 from harness.run.row import build_row
+from harness.run.windows import MeasuredGroup
 from harness.store.files import finished_row, write_row
 
 log = logging.getLogger("harness")
@@ -155,9 +156,18 @@ def measure_planned(cfg, planned, parallelism: int = 1) -> None:
     measure_planned_group(PlannedGroup(planned.point.key[:12], [planned]), parallelism)
 
 
-def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> None:
+def measure_groups(groups: list[PlannedGroup], parallelism: int = 1) -> None:
+    """A job's groups, one after another, then each set against the others: a group that ran in a slow
+    window is measured again or its rows flagged (harness.run.windows)."""
+    measured = [done for group in groups if (done := measure_planned_group(group, parallelism)) is not None]
+    windows.recheck(measured, lambda window: measure_timed(window.group_id, window.timed, window.to_write,
+                                                           parallelism, write=False))
+
+
+def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> MeasuredGroup | None:
     """A group's members: each kept if its row is finished (and no rerun rule applies), a skipped row
-    if it cannot fit, else measured with the group; every row written whole, a progress line each."""
+    if it cannot fit, else measured with the group; every row written whole, a progress line each.
+    Returns what was measured (None: nothing was)."""
     pending = []
     for job in group.jobs:
         finished = finished_row(job.config.results_dir, job.point.key)
@@ -170,33 +180,41 @@ def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> None:
         if finished is not None:
             log.info(f"{job.point.label()}: measuring again: {reason}")
         if job.does_not_fit is not None:
-            _write(job, not_run("skipped", job.does_not_fit), None, parallelism, seconds=None)
+            _write(job, build_row(job.point, not_run("skipped", job.does_not_fit), None, parallelism), {}, None)
         else:
             pending.append(job)
     if not pending:
-        return
+        return None
     # A finished reference is timed again beside the members that are not (its row is kept).
     to_write = {job.point.key for job in pending}
     timed = [job for job in group.jobs
              if job.point.key in to_write or (could_be_reference(job.point) and job.does_not_fit is None)]
+    return measure_timed(group.group_id, timed, to_write, parallelism)
+
+
+def measure_timed(group_id: str, timed: list, to_write: set, parallelism: int, write: bool = True) -> MeasuredGroup:
+    """`timed` measured as one group, a row built for each; the rows of `to_write` written (unless not
+    `write`: a second measurement, whose rows harness.run.windows writes or drops)."""
     first = timed[0]
     run = run_isolated if first.config.isolate else run_inline
     roofs = roofs_for(first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
     began = time.monotonic()
-    request = GroupRequest(group.group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
+    request = GroupRequest(group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
     outcomes = run(measure_group, request)
     if isinstance(outcomes, dict):  # the group's process failed or died: every member with it
         outcomes = [dict(outcomes) for _ in timed]
-    seconds = (time.monotonic() - began) / len(pending)
+    seconds = time.monotonic() - began
+    rows = []
     for job, measured in zip(timed, outcomes):
-        if job.point.key in to_write:
-            if job.point.traffic == "ncu" and measured.get("status") == "ok":
-                measured.update(measured_traffic(job.point))
-            _write(job, measured, roofs, parallelism, seconds)
+        if job.point.key in to_write and job.point.traffic == "ncu" and measured.get("status") == "ok":
+            measured.update(measured_traffic(job.point))
+        rows.append(build_row(job.point, measured, roofs, parallelism))
+        if write and job.point.key in to_write:
+            _write(job, rows[-1], measured, seconds / len(to_write))
+    return MeasuredGroup(group_id, timed, to_write, rows, seconds)
 
 
-def _write(job, measured: dict, roofs, parallelism: int, seconds: float | None) -> None:
-    row = build_row(job.point, measured, roofs, parallelism)
+def _write(job, row: dict, measured: dict, seconds: float | None) -> None:
     write_row(job.config.results_dir, row)
     PROGRESS.done += 1
     PROGRESS.written += 1

@@ -2,13 +2,16 @@
 approximate one is judged against. Resolved once per point while the sweep is planned
 (harness.run.resolve), so every refusal is one line and exit 2 before anything is written.
 
-- Weights: with `model.checkpoint=PATH` the folder is read (harness.model.checkpoint: config.json and
-  the safetensors headers, no tensor) and its shape replaces the preset's; `model.name` becomes the
-  folder's name unless it was set to a name no preset under conf/model/ has. A checkpoint whose
-  weights, in the point's dtype, exceed the CPU's free memory is refused (on CUDA the point's own
-  process finds its free memory and skips a point that does not fit, as for random weights).
-- Prompt: with `prompt=PATH` the file is read and cut into the point's windows now
-  (harness.measure.prompts), so a file too short or ids outside the vocabulary are refused now.
+- Weights: with `model.checkpoint=PATH` the folder or GGUF file is read (harness.model.checkpoint:
+  config.json and the safetensors headers, or the GGUF metadata; no tensor) and its shape replaces the
+  preset's; `model.name` becomes the folder's (file's) name unless it was set to a name no preset under
+  conf/model/ has; the point records how the tensors were stored and what they became
+  (`checkpoint_format`). A checkpoint whose weights, in the point's dtype, exceed the CPU's free memory
+  is refused (on CUDA the point's own process finds its free memory and skips a point that does not
+  fit, as for random weights).
+- Prompt: with `prompt=PATH` (or a built-in text, harness.config.texts) the text is read and cut into
+  the point's windows now, the accuracy pass's too for an approximate strategy (harness.measure.
+  prompts), so a text too short or ids outside the vocabulary are refused now.
 - Reference: the first strategy of the catalog that declares itself exact, caches K/V and stores
   them in the plain contiguous layout, on a backend made of torch's own operators.
 """
@@ -16,21 +19,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from omegaconf import OmegaConf
 
-from harness.config import CONTIGUOUS, ConfigError, ModelConfig, StrategyChoice
+from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
 from harness.config.paths import config_dir
+
+if TYPE_CHECKING:  # the module itself is imported where a checkpoint is read (checkpoint_shape)
+    from harness.model.checkpoint import Checkpoint
 
 TORCH_BACKENDS = ("sdpa", "torch")  # kernel families of torch's own operators: any device, any dtype
 GIB = 2**30
+STORED_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # stored float types, safetensors' and GGML's codes
 
 
-def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) -> tuple[ModelConfig, str]:
-    """The shape of `model.checkpoint` (its name as the module docstring says) and its content hash;
-    ConfigError on `model.checkpoint` for a folder the decoder cannot load or memory cannot hold."""
+def weights_description(checkpoint: Checkpoint, dtype: str) -> str:
+    """A row's `checkpoint_format`: the file format, its tensors' stored types by count, and what they
+    became in the point's dtype, e.g. "gguf: Q4_1 x210, F32 x61, Q8_0 x1, dequantized to float32"."""
+    counts = Counter(stored.dtype for stored in checkpoint.tensors.values())
+    floats = {STORED_FLOATS.get(kind) for kind in counts}
+    if None in floats:
+        done = "dequantized to"
+    else:
+        done = "as stored, in" if floats == {dtype} else "converted to"
+    return f"{checkpoint.format}: {', '.join(f'{kind} x{n}' for kind, n in counts.most_common())}, {done} {dtype}"
+
+
+def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) -> tuple[ModelConfig, str, str]:
+    """The shape of `model.checkpoint` (its name as the module docstring says), its content hash and its
+    weights_description; ConfigError on `model.checkpoint` for a checkpoint the decoder cannot load or
+    memory cannot hold."""
     from harness.analysis.analytic import dtype_bytes
     from harness.config.validate import validate_model
     from harness.model.checkpoint import CheckpointError, read_checkpoint, shape_fields
@@ -54,27 +75,36 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
 
         need, have = checkpoint.parameters * dtype_bytes(dtype), available_bytes("cpu")
         if need > have:
-            raise ConfigError("model.checkpoint", f"'{checkpoint.folder}' needs {need / GIB:.1f} GiB as {dtype}, "
+            raise ConfigError("model.checkpoint", f"'{shape.checkpoint}' needs {need / GIB:.1f} GiB as {dtype}, "
                                                   f"{have / GIB:.1f} GiB of memory is free")
-    return shape, checkpoint.content_hash
+    return shape, checkpoint.content_hash, weights_description(checkpoint, dtype)
 
 
-def prompt_source(path: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int) -> str:
-    """The prompt file's content hash, once the file is known to give the point its windows;
-    ConfigError on `prompt` otherwise."""
-    from harness.measure.prompts import PromptError, content_hash, read_tokens, tokenizer_of, window_tokens, windows
+def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int,
+                  accuracy: Optional[AccuracyConfig]) -> str:
+    """The content hash of the prompt file or built-in text, once it is known to give the point its
+    windows: the timed run's, and with `accuracy` (an approximate strategy's pass) the accuracy pass's;
+    ConfigError on `prompt` or `accuracy.tokens` otherwise."""
+    from harness.measure.prompts import (PromptError, accuracy_tokens_needed, accuracy_windows, content_hash,
+                                         file_windows, read_tokens, tokenizer_of, window_tokens)
 
     if prefill != "compute":
         raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
     tokenizer = tokenizer_of(shape.checkpoint)
     try:
-        ids = read_tokens(path, tokenizer)
-        windows(ids, batch, window_tokens(ctx, decode_tokens), shape.vocab_size, f"'{path}'")
-        return content_hash(Path(path).expanduser().resolve(), tokenizer)
+        file_windows(source, tokenizer, batch, window_tokens(ctx, decode_tokens), shape.vocab_size)
+        found = content_hash(source, tokenizer)
     except PromptError as error:
         raise ConfigError("prompt", str(error)) from None
     except OSError as error:
-        raise ConfigError("prompt", f"cannot read '{path}': {error.strerror or error}") from None
+        raise ConfigError("prompt", f"cannot read '{source}': {error.strerror or error}") from None
+    if accuracy is not None:
+        try:
+            ids = read_tokens(source, tokenizer, limit=accuracy_tokens_needed(ctx, accuracy.tokens))
+            accuracy_windows(ids, ctx, accuracy.steps, accuracy.tokens, shape.vocab_size, f"'{source}'")
+        except PromptError as error:
+            raise ConfigError("accuracy.tokens", str(error)) from None
+    return found
 
 
 @functools.cache

@@ -2,8 +2,8 @@
 
 Hydra composes each job of a multirun only when that job starts, so a bad value in the fifth point of
 a sweep would otherwise surface after four points were written. Here the whole sweep is expanded the
-way Hydra's BasicSweeper expands it (its own `split_arguments`, with the config loader that glob()
-sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
+way Hydra's basic sweeper expands it (`sweep_jobs`: the product of each sweep override's values, through
+Hydra's public override parser with the config loader that glob() sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
 same checks the analytic CLI and the report use) and resolved into its Point (harness.run.resolve),
 and the first problem ends the run with one line and exit code 2, before a file is written. Each
 point is composed and resolved here once; Hydra's job then finds its Point by its overrides
@@ -21,14 +21,15 @@ its jobs may run in another working directory, so results_dir must then be absol
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
@@ -37,12 +38,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
+from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, interpolations_resolve, output_folder,
+                                     safe_name, validate_run)
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
 from harness.run.grouping import form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
+from harness.run.variants import variant_of
 from harness.store.columns import SCHEMA
 
 CONFIG_DIR = str(config_dir())
@@ -52,6 +55,7 @@ RUN_FLAGS = ("-r", "--run")
 # Flags after which Hydra does something other than run points (help, print config, shell completion).
 PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                       "--shell-completion", "-sc", "--resolve", "--package", "-p")
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through flags followed by their value
 # Hydra keys a command line may set: none of them moves the working directory or the output.
 HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
 LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
@@ -118,6 +122,19 @@ def needs_preflight(argv: list[str]) -> bool:
     return not any(arg.split("=", 1)[0] in PASS_THROUGH_FLAGS for arg in argv)
 
 
+def check_printed_config(argv: list[str]) -> None:
+    """`--cfg job --resolve` prints the config with its interpolations resolved: ConfigError in one line,
+    as for a run, for one that does not resolve (Hydra's own answer is a traceback)."""
+    if "--resolve" not in argv:
+        return
+    register_schemas()
+    flag_values = [i + 1 for i, arg in enumerate(argv) if arg in VALUE_FLAGS]  # `--cfg job`: job is no override
+    overrides = [arg for i, arg in enumerate(argv) if not arg.startswith("-") and i not in flag_values]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        _compose([o.input_line for o in _parse(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
+
+
 def plan(argv: list[str], cuda_available) -> Plan:
     """Expand and validate every point of `argv` (the arguments after the program name), and group them.
 
@@ -128,6 +145,7 @@ def plan(argv: list[str], cuda_available) -> Plan:
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
         jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
+    _check_distinct(jobs)
     first = jobs[0]
     if first.config.search != "none" and len(jobs) > 1:
         raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
@@ -147,17 +165,18 @@ class _CommandLine:
     job_overrides: list  # each job's overrides, in Hydra's order
     elsewhere: bool  # a launcher runs the jobs on other hosts
     in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
+    as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
 
 
 def _command_line(argv: list[str]) -> _CommandLine:
     """Parse and compose the command line, check the Hydra keys it sets and where output goes, and
-    expand the sweep the way Hydra's BasicSweeper will."""
+    expand the sweep the way Hydra's basic sweeper will."""
     overrides = [arg for arg in argv if not arg.startswith("-")]
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
     parsed = _parse(parser, overrides)
     _check_hydra_keys(parsed)
     sweeps = [o for o in parsed if o.is_sweep_override()]
-    base = _compose([o.input_line for o in parsed if not o.is_sweep_override()], with_hydra=True)
+    base = _compose_base(parsed)
     launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
     _check_output_settings(base, launcher)
     launcher_target = OmegaConf.select(base, "hydra.launcher._target_")
@@ -175,35 +194,77 @@ def _command_line(argv: list[str]) -> _CommandLine:
     params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
     expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
     _check_hydra_keys(expanded)
-    try:
-        job_overrides = BasicSweeper.split_arguments(expanded, max_batch_size=None)[0]
-    except HydraException as error:
-        raise ConfigError("command line", _first_line(error)) from None
-    if not multirun:  # one job: its config is the one composed above, less Hydra's node (as compose does)
-        with open_dict(base):
-            del base["hydra"]
+    job_overrides = sweep_jobs(expanded)
     in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
     return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
 
 
+def _compose_base(parsed) -> object:
+    """What every job shares, composed from the overrides that are not sweeps; where that fails (a sweep
+    over `strategy` with a `strategy.*` option the default strategy lacks), with each sweep's first
+    value, as the first job will be composed."""
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        return _compose(plain, with_hydra=True)
+    except ConfigError as error:
+        sweeps = [o for o in parsed if o.is_sweep_override()]
+        try:
+            first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in sweeps]
+            return _compose(plain + first, with_hydra=True)
+        except (ConfigError, HydraException, StopIteration):
+            raise error from None
+
+
+def sweep_jobs(overrides: list) -> list[list[str]]:
+    """Every job's overrides, as Hydra's basic sweeper makes them: a key set twice keeps its first place
+    and its last value, and the jobs are the product of the keys' values, the first key varying slowest."""
+    values_by_key: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values_by_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values_by_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:  # interval(): a continuous range, which only a sampling sweeper (Optuna, Nevergrad) can draw from
+            raise ConfigError(key, "interval() is a continuous range this sweep cannot enumerate; list the values "
+                                   "(a,b,c) or give range(start,stop,step)")
+    return [list(job) for job in itertools.product(*values_by_key.values())]
+
+
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One job composed (once per job in a sweep), validated and resolved into its point."""
-    cfg = command.base if not command.multirun else _compose(job, with_hydra=False)
+    _check_job_options(job)
+    cfg = command.base if not command.multirun else _compose(job, with_hydra=True)
+    variant = variant_of(cfg, job, lambda overrides: _compose(overrides, with_hydra=False), command.as_chosen)
+    with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
+        del cfg["hydra"]
     if str(cfg.results_dir) != str(command.base.results_dir):
         raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
                                          "folder): set it once, outside the sweep, and run once per folder")
     if str(cfg.interleave) != str(command.base.interleave) or cfg.repeats != command.base.repeats:
         raise ConfigError("interleave" if str(cfg.interleave) != str(command.base.interleave) else "repeats",
                           "how a sweep's points are grouped is one choice per command line: set it outside the sweep")
-    _check_job_options(job)
     try:
         validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
-        point = point_from_config(cfg)
+        point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
         raise _composition_error(error) from None
     check_point(point)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
     return PlannedPoint(tuple(job), cfg, point, does_not_fit)
+
+
+def _check_distinct(jobs: list[PlannedPoint]) -> None:
+    """Two jobs of one point (`strategy=quantized,int8`: the same class and options under two names)
+    would measure it twice and write one row: refused."""
+    seen: dict[str, PlannedPoint] = {}
+    for job in jobs:
+        first = seen.setdefault(job.point.key, job)
+        if first is not job:
+            names = (first.point.strategy.variant, job.point.strategy.variant)
+            raise ConfigError("strategy" if names[0] != names[1] else "command line",
+                              f"{first.point.label()} and {job.point.label()} are the same point (the same class, "
+                              f"options and sizes: key {job.point.key}); list it once")
 
 
 def check_point(point: Point) -> None:
@@ -298,11 +359,16 @@ def _check_output_settings(composed, launcher: list[str]) -> None:
 
 def _compose(overrides: list[str], with_hydra: bool):
     try:
-        return compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
+        cfg = compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
     except MissingConfigException as error:
         raise _missing_option(error) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise _composition_error(error) from None
+    # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
+    # (its other fields are filled as a job starts).
+    settable = {re.split(r"[./]", key)[1] for key in HYDRA_KEYS_ALLOWED}
+    interpolations_resolve(cfg, skip=tuple(f"hydra.{key}" for key in cfg.get("hydra", {}) if key not in settable))
+    return cfg
 
 
 def _missing_option(error: MissingConfigException) -> ConfigError:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from harness.config import ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
+from harness.config import AccuracyConfig, ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
+from harness.config.texts import is_builtin_text
 from harness.run.inputs import accuracy_reference, checkpoint_shape, prompt_source
 
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
@@ -90,9 +91,10 @@ def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill
                           layout=strategy.cache_layout(shape))
 
 
-def point_from_config(cfg) -> Point:
-    """Resolve a composed (and validated) config into a Point. Raises ConfigError for what only the
-    strategy, the matmul kernel or the traffic source can refuse."""
+def point_from_config(cfg, variant: str = "") -> Point:
+    """Resolve a composed (and validated) config into a Point; `variant`: the strategy's name in rows
+    (harness.run.variants; empty: the class's name). Raises ConfigError for what only the strategy,
+    the matmul kernel, the traffic source or the prompt can refuse."""
     import torch
 
     device = resolve_device(cfg.device)
@@ -101,11 +103,17 @@ def point_from_config(cfg) -> Point:
     model = dataclasses.replace(model, head_dim=model.resolved_head_dim)  # resolved: no None left in a point
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     max_len = cfg.ctx + cfg.decode_tokens
-    checkpoint_hash = None
+    checkpoint_hash = checkpoint_format = None
     if model.checkpoint is not None:  # its shape replaces the preset's (harness.run.inputs)
-        model, checkpoint_hash = checkpoint_shape(model, dtype, device, max_len)
+        model, checkpoint_hash, checkpoint_format = checkpoint_shape(model, dtype, device, max_len)
     strategy = resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs)
-    prompt = str(Path(cfg.prompt).expanduser().resolve()) if cfg.get("prompt") is not None else None
+    strategy = dataclasses.replace(strategy, variant=variant)
+    prompt = cfg.get("prompt")
+    if prompt is not None and not is_builtin_text(prompt):
+        prompt = str(Path(prompt).expanduser().resolve())
+    # Exact strategies run no accuracy pass: they carry the default, so accuracy.* never splits their keys.
+    accuracy = AccuracyConfig() if strategy.exact else AccuracyConfig(**OmegaConf.to_container(cfg.accuracy))
+    scored = accuracy if not strategy.exact else None
     return Point(
         model=model,
         strategy=strategy,
@@ -125,7 +133,10 @@ def point_from_config(cfg) -> Point:
         hugepages=cfg.hugepages,
         weights="checkpoint" if checkpoint_hash is not None else "random",
         checkpoint_hash=checkpoint_hash,
+        checkpoint_format=checkpoint_format,
         prompt=prompt,
-        prompt_hash=prompt_source(prompt, model, cfg.prefill, cfg.batch, cfg.ctx, cfg.decode_tokens) if prompt else None,
+        prompt_hash=prompt_source(prompt, model, cfg.prefill, cfg.batch, cfg.ctx, cfg.decode_tokens, scored)
+        if prompt else None,
         reference=accuracy_reference(strategy, model, device, dtype),
+        accuracy=accuracy,
     )

@@ -11,18 +11,23 @@ from harness.analysis import analytic
 from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
+from harness.config.point import COLUMN
 from harness.run.metadata import run_metadata
 from harness.store.columns import COLUMN_NAMES, COLUMNS_BY_SOURCE
 
 
 def flatten(obj, prefix: str = "") -> dict:
-    """A dataclass as flat columns: a nested dataclass's fields take its class's ROW_PREFIX, its `name`
+    """A dataclass as flat columns: a field whose metadata names its column (COLUMN) takes that name, or
+    none at all (NO_COLUMNS); a nested dataclass's fields take its class's ROW_PREFIX, its `name`
     field takes the name of the field holding it (model.name -> `model`), a None dataclass leaves its
     columns null, and a dict becomes JSON text."""
     row = {}
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
-        if dataclasses.is_dataclass(value):
+        if COLUMN in field.metadata:
+            if field.metadata[COLUMN] is not None:
+                row[field.metadata[COLUMN]] = value
+        elif dataclasses.is_dataclass(value):
             row.update(_nested(value, field.name))
         elif value is None and field.name == "layout":  # no cache: the layout's columns stay null
             row.update({f"{CacheLayout.ROW_PREFIX}{f.name}": None for f in dataclasses.fields(CacheLayout)})
@@ -102,7 +107,7 @@ def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int =
     row.update(roof_columns(row, roofs))
     row.update(noise_columns(row))
     row.update(run_metadata(sweep_parallelism), timestamp=datetime.now(timezone.utc), point_key=point.key,
-               config_json=json.dumps(point.identity(), sort_keys=True))
+               config_json=json.dumps(point.record(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):
         raise AssertionError(f"row and schema disagree: {sorted(set(row) ^ set(COLUMN_NAMES))}")
     return {name: row[name] for name in COLUMN_NAMES}

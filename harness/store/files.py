@@ -29,7 +29,9 @@ TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
 
 
 def row_filename(row: dict) -> str:
-    return f"{row['strategy']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
+    """Named by the strategy's class (`strategy_family`), not its variant name: one point has one file
+    whichever variant name measured it (a variant and the same options set by hand share the key)."""
+    return f"{row['strategy_family']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
 
 
 @dataclass(frozen=True)

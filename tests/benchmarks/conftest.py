@@ -1,4 +1,7 @@
-"""The benchmark suite's points, models and timing helper (`pytest -m benchmark`; see harness.bench.gate).
+"""The benchmark suite's points, models, controls and the one helper that times a benchmark
+(`pytest -m benchmark`; see harness.bench.gate). Everything is timed by harness.measure.rounds, the
+runner's own engine; pytest-benchmark only receives its times, computes its statistics and writes
+--benchmark-json.
 
 Two small points, each a decode step a 2-core CPU times in milliseconds:
 - light: a weight-dominated step (batch 1, 128 cached tokens: the cache is <1% of the bytes);
@@ -10,18 +13,16 @@ Both move more bytes than a CPU's L3 (tens of MiB; about 100 MiB on the largest 
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.analysis import analytic
 from harness.config import ModelConfig
-from harness.measure.contention import CpuTimes, others_fraction  # noqa: F401 (others_fraction: for the suite)
-from harness.measure.group import rotation
-from harness.measure.intervals import paired_ratio
+from harness.measure.contention import CpuTimes, others_fraction
+from harness.measure.rounds import Rounds, RoundsOptions, Step, time_rounds
 from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
 from strategies.contiguous import ContiguousStrategy
@@ -71,13 +72,6 @@ def model_for():
         return built[shape.name, batch]
 
     return get
-
-
-@pytest.fixture(scope="session")
-def roof() -> dict:
-    """Roofs measured by this pytest run's control and matmul benchmarks (they run first): filled by them,
-    read by later benchmarks to record their analytic prediction next to their time."""
-    return {}
 
 
 class MemoryControl:
@@ -137,74 +131,68 @@ def control_for(controls: dict, flops: float, bytes_moved: float):
     return controls["compute" if flops / bytes_moved > CONTROL_RIDGE else "memory"]
 
 
-def run_timed(benchmark, target, setup=None, control=None, budget_s: float = 2.0,
-              min_rounds: int = 5, max_rounds: int = 60):
-    """pytest-benchmark's pedantic mode with rounds sized to a time budget.
+ROUNDS = 5  # rounds in a pass; passes repeat while one more fits a benchmark's budget
+MAX_PASSES = 12
+WARMUP = 3  # untimed calls of the benchmark and its control first: allocator, caches, lazy set-up
 
-    Three untimed calls warm the allocator and caches; the median of their times estimates one call
-    (the median, not the minimum: on a busy machine the fastest call underestimates the rest). Rounds
-    are then budget / estimate, within [min_rounds, max_rounds], plus one warm-up round. `setup` runs
-    before every call, outside the timed region (the decode benchmarks rewind the session there).
 
-    With `control`, the control kernel also runs (and is timed) right before every round, outside the
-    timed region: extra_info["control_median_s"] is its median over this benchmark's rounds, so the
-    gate divides by a control measured at the same moments as the benchmark, not a minute earlier
-    (contention on a shared machine comes and goes within a run). It also leaves the L3 in the same
-    (cold) state before every round. extra_info["others_cpu_fraction"]: the share of the cores other
-    processes took while this benchmark ran.
+def time_benchmark(benchmark, target, before=None, control=None, budget_s: float = 2.0) -> tuple[Rounds, object]:
+    """Time `target` (harness.measure.rounds) in passes of ROUNDS rounds while one more fits `budget_s`,
+    and hand its times to pytest-benchmark; returns the rounds and what the last timed call returned.
+    `before` runs before every call, outside the timed region (the decode benchmarks rewind the
+    session there).
+
+    With `control`, every round times the control kernel right before the benchmark (the listed
+    order: the L3 is left in the same, cold, state before every call of the benchmark), so the gate
+    divides by a control measured at the same moments as the benchmark, not a minute earlier
+    (contention on a shared machine comes and goes within a run): extra_info control_median_s, and
+    control_ratio with its interval, the median over rounds of the benchmark's time over the
+    control's in the same round (the paired ratio a group of the runner records against its
+    reference). extra_info others_cpu_fraction: the share of the cores other processes took meanwhile.
     """
-    control_times = []
-
-    def before_round():
-        if setup:
-            setup()
-        if control is not None:
-            begin = time.perf_counter()
-            control()
-            control_times.append(time.perf_counter() - begin)
-
-    probes = []
-    for _ in range(3):
-        before_round()
-        begin = time.perf_counter()
-        target()
-        probes.append(time.perf_counter() - begin)
-    per_round = sorted(probes)[1] + (statistics.median(control_times) if control_times else 0.0)
-    rounds = max(min_rounds, min(max_rounds, int(budget_s / per_round)))
-    benchmark.extra_info["threads"] = torch.get_num_threads()  # torch's default: one per core
-    control_times.clear()
-    start = cpu_seconds()
-    result = benchmark.pedantic(target, setup=before_round, rounds=rounds, warmup_rounds=1, iterations=1)
-    benchmark.extra_info["others_cpu_fraction"] = others_fraction(start, cpu_seconds())
+    steps = {"control": control} if control is not None else {}
+    last = {}
+    steps["benchmark"] = Step(target, before=before, after=lambda output: last.update(output=output))
+    options = RoundsOptions(rounds=ROUNDS, max_passes=MAX_PASSES, budget_s=budget_s, warmup=WARMUP, order="listed",
+                            reference="control" if control is not None else None)
+    rounds = time_rounds(steps, options)
+    record_times(benchmark, rounds.seconds["benchmark"])
+    info = benchmark.extra_info
+    info.update(threads=torch.get_num_threads(), others_cpu_fraction=rounds.contention, timing_method=rounds.method)
     if control is not None:
-        benchmark.extra_info["control_median_s"] = statistics.median(control_times[1:])  # [0]: warm-up round
-        benchmark.extra_info["control_kernel"] = control.name
-        # Each round's time over the control's right before it, the same paired ratio a group of the
-        # runner records against its reference (harness.measure.intervals): drift between rounds cancels.
-        ratio = paired_ratio(list(benchmark.stats.stats.data), control_times[1:])
-        benchmark.extra_info.update(control_ratio=ratio.median, control_ratio_ci=[ratio.low, ratio.high])
-    return result
+        ratio = rounds.ratio("benchmark")
+        info.update(control_median_s=rounds.median("control").median, control_kernel=control.name,
+                    control_ratio=ratio.median, control_ratio_ci=[ratio.low, ratio.high])
+    return rounds, last["output"]
+
+
+def record_times(benchmark, seconds: list[float]) -> None:
+    """Give pytest-benchmark the engine's times as the benchmark's rounds: it computes the statistics,
+    prints the table and writes --benchmark-json from them. It has no public way to take times measured
+    elsewhere, so this is the one place the suite reaches into it (the statistics object its own loop
+    would fill, and the mark that the fixture was used)."""
+    if benchmark.disabled:
+        return
+    benchmark._mode = "harness.measure.rounds"
+    stats = benchmark._make_stats(1)  # one call per round
+    for one in seconds:
+        stats.update(one)
+
+
+@pytest.fixture(scope="session")
+def same_run_roofs(controls) -> analytic.Roof:
+    """This run's roofs, for each benchmark's analytic prediction: the memory control's read rate and
+    the compute control's FLOP rate, timed together in rounds (a fixture, so no benchmark depends on
+    another having run first)."""
+    memory, compute = controls["memory"], controls["compute"]
+    rounds = time_rounds({"memory": memory, "compute": compute}, RoundsOptions(rounds=ROUNDS, warmup=1))
+    return analytic.Roof(flops_per_s=compute.flops / rounds.median("compute").median,
+                         bytes_per_s=memory.nbytes / rounds.median("memory").median)
 
 
 def cpu_seconds() -> CpuTimes:
     """Wall clock, CPU seconds all processes spent busy (steal included), CPU seconds of this process."""
     return CpuTimes.now()
-
-
-def interleaved_medians(kernels: dict, rounds: int) -> tuple[dict, float]:
-    """Median seconds of each kernel over `rounds` rounds that each run every kernel once, in an order
-    rotating and reversing from round to round as a group's members do (harness.measure.group.rotation:
-    a burst of noise lands on all of them alike), after one warm-up call
-    each; and the share of the CPUs other processes took meanwhile."""
-    for kernel in kernels.values():  # warm-up: allocator, caches, lazy initialisation
-        kernel()
-    times, names, start = {name: [] for name in kernels}, list(kernels), cpu_seconds()
-    for round_ in range(rounds):
-        for name in (names[slot] for slot in rotation(len(names), round_)):  # the runner's groups' order
-            begin = time.perf_counter()
-            kernels[name]()
-            times[name].append(time.perf_counter() - begin)
-    return {name: statistics.median(t) for name, t in times.items()}, others_fraction(start, cpu_seconds())
 
 
 AT_START = cpu_seconds()

@@ -1,7 +1,8 @@
-"""Benchmarks gated by harness.bench.gate: the two control kernels first, then decode steps and a prefill.
+"""Benchmarks gated by harness.bench.gate: the two control kernels, decode steps and a prefill.
 
 Every benchmark records in extra_info what the gate needs (role, bytes and FLOPs from harness.analysis.analytic)
-and its analytic prediction: the roofline time at the roofs the control kernels measured in this run.
+and its analytic prediction: the roofline time at the roofs the control kernels reach in this run
+(conftest.same_run_roofs). Each is timed by conftest.time_benchmark and asserts what it timed did its work.
 Run: `python -m pytest -m benchmark --benchmark-json=run.json && python -m harness.bench run.json`.
 """
 from __future__ import annotations
@@ -13,38 +14,36 @@ from harness.analysis import analytic
 from harness.run.catalog import strategy_catalog
 from strategies import StrategyUnavailable
 from strategies.contiguous import ContiguousStrategy
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, PREFILL, SEED, control_for, run_timed
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, PREFILL, SEED, control_for, time_benchmark
 
 pytestmark = pytest.mark.benchmark
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 
 
-def record_prediction(benchmark, roof: dict, flops: int, bytes_moved: int) -> None:
-    """bytes, FLOPs, and the roofline time at this run's roofs (None if the controls did not run)."""
-    info = benchmark.extra_info
-    info.update(bytes=bytes_moved, flops=flops, roof_bandwidth_Bps=roof.get("bandwidth"), roof_flops=roof.get("flops"))
-    if roof.keys() >= {"bandwidth", "flops"}:
-        same_run = analytic.Roof(flops_per_s=roof["flops"], bytes_per_s=roof["bandwidth"])
-        info["predicted_s"] = analytic.roofline_time(flops, bytes_moved, same_run)
-        info["predicted_bound"] = analytic.bound(flops, bytes_moved, same_run)
+def record_prediction(benchmark, roof: analytic.Roof, flops: int, bytes_moved: int) -> None:
+    """bytes, FLOPs, and the roofline time at this run's roofs."""
+    benchmark.extra_info.update(bytes=bytes_moved, flops=flops, roof_bandwidth_Bps=roof.bytes_per_s,
+                                roof_flops=roof.flops_per_s, predicted_s=analytic.roofline_time(flops, bytes_moved, roof),
+                                predicted_bound=analytic.bound(flops, bytes_moved, roof))
 
 
-def test_control_read_bandwidth(benchmark, roof, controls):
-    """The memory control on its own (conftest.MemoryControl): its bandwidth is the same-run roof of
-    the bandwidth fraction; its median, the denominator of ratios measured without interleaving."""
+def test_control_read_bandwidth(benchmark, same_run_roofs, controls):
+    """The memory control on its own (conftest.MemoryControl): the denominator of ratios measured
+    without interleaving. It must be memory bound at this run's roofs: the gate divides memory-bound
+    steps by it."""
     control = controls["memory"]
     benchmark.extra_info.update(role="control", kernel=control.name, bytes=control.nbytes, flops=control.flops)
-    run_timed(benchmark, control, budget_s=1.0)
-    roof["bandwidth"] = control.nbytes / benchmark.stats.stats.median
+    time_benchmark(benchmark, control, budget_s=1.0)
+    assert analytic.bound(control.flops, control.nbytes, same_run_roofs) == "memory", same_run_roofs
 
 
-def test_roof_matmul(benchmark, roof, controls):
-    """The compute control on its own (conftest.ComputeControl): the FLOP roof of this run, for the
-    analytic prediction of compute-bound steps."""
+def test_roof_matmul(benchmark, same_run_roofs, controls):
+    """The compute control on its own (conftest.ComputeControl): the FLOP roof of this run. It must be
+    compute bound at this run's roofs: the gate divides compute-bound benchmarks by it."""
     control = controls["compute"]
     benchmark.extra_info.update(role="roof_flops", kernel=control.name, bytes=control.nbytes, flops=control.flops)
-    run_timed(benchmark, control, budget_s=0.6)
-    roof["flops"] = control.flops / benchmark.stats.stats.median
+    time_benchmark(benchmark, control, budget_s=0.6)
+    assert analytic.bound(control.flops, control.nbytes, same_run_roofs) == "compute", same_run_roofs
 
 
 # Every strategy of the `strategy` config group (shipped, or on $HARNESS_SEARCHPATH) at its default
@@ -55,7 +54,7 @@ CASES = [(point, name) for point in POINTS.values() for name, cls in CATALOG.ite
 
 
 @pytest.mark.parametrize("point,strategy", CASES, ids=[f"{p.name}-{s}" for p, s in CASES])
-def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
+def test_decode_step(benchmark, model_for, same_run_roofs, controls, point, strategy):
     """The first decode step after `point.ctx` cached tokens, re-run every round (rewound in setup)."""
     chosen = CATALOG[strategy]()
     try:
@@ -79,15 +78,16 @@ def test_decode_step(benchmark, model_for, roof, controls, point, strategy):
         cache_read_bytes=step_bytes["cache_read"],
     )
     flops = analytic.decode_step_flops(point.shape, point.batch, point.ctx, layout, point.ctx + 1)
-    record_prediction(benchmark, roof, flops, step_bytes["total"])
+    record_prediction(benchmark, same_run_roofs, flops, step_bytes["total"])
     budget = 1.5 if chosen.caches_kv else 2.0  # a recompute step is slower: more time for its rounds
     with torch.inference_mode():
-        run_timed(benchmark, lambda: session.step(token), setup=lambda: session.rewind(point.ctx),
-                  control=control_for(controls, flops, step_bytes["total"]), budget_s=budget)
-    assert session.length == point.ctx + 1
+        _, logits = time_benchmark(benchmark, lambda: session.step(token), before=lambda: session.rewind(point.ctx),
+                                   control=control_for(controls, flops, step_bytes["total"]), budget_s=budget)
+    assert session.length == point.ctx + 1  # every timed call was one step from ctx
+    assert logits.shape == (point.batch, point.shape.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_prefill(benchmark, model_for, roof, controls):
+def test_prefill(benchmark, model_for, same_run_roofs, controls):
     """One forward pass over a 256-token prompt through the contiguous cache (compute bound)."""
     shape, batch, prompt_len = PREFILL
     session = ContiguousStrategy().new_session(model_for(shape, batch), batch, prompt_len)
@@ -96,7 +96,9 @@ def test_prefill(benchmark, model_for, roof, controls):
                                 dtype=DTYPE_NAME, matmul=MATMUL)
     prefill_bytes = analytic.prefill_bytes(shape, DTYPE_NAME, batch, prompt_len)["total"]
     flops = analytic.prefill_flops(shape, batch, prompt_len)
-    record_prediction(benchmark, roof, flops, prefill_bytes)
+    record_prediction(benchmark, same_run_roofs, flops, prefill_bytes)
     with torch.inference_mode():
-        run_timed(benchmark, lambda: session.prefill(prompt), control=control_for(controls, flops, prefill_bytes),
-                  budget_s=1.5)
+        _, logits = time_benchmark(benchmark, lambda: session.prefill(prompt),
+                                   control=control_for(controls, flops, prefill_bytes), budget_s=1.5)
+    assert session.length == prompt_len  # every timed call prefilled the whole prompt into an empty cache
+    assert logits.shape == (batch, shape.vocab_size) and torch.isfinite(logits).all()

@@ -33,12 +33,13 @@ import torch
 
 from harness.analysis import analytic
 from harness.measure.memory import anon_hugepages_bytes, use_hugepages
+from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import build_model
 from strategies.contiguous import ContiguousStrategy
 from strategies.dynamic import DynamicStrategy
 from strategies.paged import PagedStrategy
 from strategies.static_full import StaticFullStrategy
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl, interleaved_medians
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -81,8 +82,9 @@ class CopyKernel:
 def measure_layouts(hugepages: bool) -> dict:
     """Every layout's step, the copy kernel and the memory control in interleaved rounds, in this
     process, which must be a fresh one when `hugepages` (torch reads the variable at its first
-    allocation). Returns the medians, the bandwidths derived from them, the others' CPU share and the
-    bytes this process held on huge pages, which says whether the pages asked for were granted."""
+    allocation). Returns the medians, each layout's paired ratio to contiguous, the bandwidths derived
+    from them, the others' CPU share and the bytes this process held on huge pages, which says whether
+    the pages asked for were granted."""
     if hugepages:
         use_hugepages()
     with torch.inference_mode():
@@ -98,8 +100,9 @@ def measure_layouts(hugepages: bool) -> dict:
             kernels[name] = lambda s=session: s.step(token)
         copy, memory = CopyKernel(), MemoryControl()
         kernels["copy"], kernels["memory_control"] = copy, memory
-        medians, contention = interleaved_medians(kernels, ROUNDS)
-    return {"medians": medians, "copy_Bps": copy.bytes_moved / medians["copy"],
+        rounds = time_rounds(kernels, RoundsOptions(rounds=ROUNDS, reference="contiguous"))
+    medians, contention = rounds.medians(), rounds.contention
+    return {"medians": medians, "ratios": rounds.ratios(), "copy_Bps": copy.bytes_moved / medians["copy"],
             "bandwidth_Bps": memory.nbytes / medians["memory_control"], "contention": contention,
             "hugepage_bytes": anon_hugepages_bytes()}
 
@@ -134,17 +137,30 @@ def test_the_point_is_cache_dominated():
     assert bytes_["cache_read"] >= 3 * bytes_["weights"]
 
 
-def test_report_every_layout(by_page_size):
+def test_every_layout_is_timed_on_the_pages_its_label_says(by_page_size):
+    """Prints the table (each ratio with its paired interval). Every layout that runs here has a step in
+    both runs, and the two runs differ in what their labels say: the 4 KiB run held at most a tenth of
+    the 2 MiB run's bytes on huge pages (with transparent huge pages set to `always`, it would hold as
+    many, and its figures would not be 4 KiB pages')."""
+    runs_here = {name for name, strategy in layouts().items()
+                 if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is not None}
     for pages, run in by_page_size.items():
-        m = run["medians"]
+        m, ratios = run["medians"], run["ratios"]
         print(f"\n{pages} pages ({(run['hugepage_bytes'] or 0) / 2**20:.0f} MiB on huge pages), heavy point: "
               f"B={POINT.batch} ctx={POINT.ctx}; memory control {run['bandwidth_Bps'] / 1e9:.1f} GB/s, "
               f"copy {run['copy_Bps'] / 1e9:.1f} GB/s (read + write); others took {run['contention']:.0%} of the CPUs")
         for name, strategy in layouts().items():
             if name in m:
-                total = step_bytes(strategy)["total"]
-                print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous  "
+                total, ratio = step_bytes(strategy)["total"], ratios.get(name)
+                interval = f"[{ratio.low:.2f}, {ratio.high:.2f}]" if ratio else "reference"
+                print(f"{name:18s} {m[name] * 1e3:8.2f} ms  {m[name] / m['contiguous']:5.2f}x contiguous {interval:>14s}  "
                       f"{total / 1e6:8.1f} MB/step  {total / m[name] / 1e9:5.1f} GB/s")
+        assert runs_here <= set(m), f"{pages}: no step of {sorted(runs_here - set(m))}"
+    small, huge = (by_page_size[pages]["hugepage_bytes"] or 0 for pages in PAGE_SIZES)
+    if not huge:
+        pytest.skip("no transparent huge pages were granted here (/sys/kernel/mm/transparent_hugepage/enabled)")
+    assert small <= huge / 10, (f"the 4 KiB run held {small / 2**20:.0f} MiB on huge pages, the 2 MiB run "
+                                f"{huge / 2**20:.0f} MiB: the page sizes did not differ as labelled")
 
 
 @pytest.mark.parametrize("name,limit", [("paged16", 1.10), ("paged64", 1.05)])

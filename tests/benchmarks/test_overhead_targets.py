@@ -29,10 +29,11 @@ from harness.config import ModelConfig
 from harness.config.paths import config_dir
 from harness.measure.compiled import CompiledSteps
 from harness.measure.roofs import measure_within
+from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
 from harness.model.cpu_gemv import gemv, unavailable
 from strategies.contiguous import ContiguousStrategy
-from tests.benchmarks.conftest import DTYPE, MATMUL, SEED, interleaved_medians
+from tests.benchmarks.conftest import DTYPE, MATMUL, SEED
 
 pytestmark = [pytest.mark.target,  # opt-in (`pytest -m target`): not met on every CPU (docs/benchmarking.md)
               pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler"),
@@ -92,7 +93,8 @@ def step_medians(shape: ModelConfig, batch: int, ctx: int, with_roof: bool = Fal
             weights = [p for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name]
             inputs = {width: torch.zeros(batch, width) for width in {w.shape[1] for w in weights}}
             kernels["linears_alone"] = lambda: [gemv(inputs[w.shape[1]], w) for w in weights]
-        medians, others = interleaved_medians(kernels, ROUNDS)
+        rounds = time_rounds(kernels, RoundsOptions(rounds=ROUNDS))
+        medians, others = rounds.medians(), rounds.contention
         assert compiled.recompiles_since() == 0
     return medians, others, compiled.compile_s
 

@@ -15,9 +15,10 @@ import torch
 
 from harness.analysis import analytic
 from harness.measure.accuracy import teacher_forced
+from harness.measure.rounds import RoundsOptions, time_rounds
 from strategies.contiguous import ContiguousStrategy
 from strategies.quantized import QuantizedStrategy
-from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED, interleaved_medians
+from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -40,7 +41,8 @@ def step_medians(model_for):
         session.fill_random(POINT.ctx, generator)
         token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
         steps[name] = lambda s=session, t=token: s.step(t)
-    medians, contention = interleaved_medians(steps, ROUNDS)
+    rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS))
+    medians, contention = rounds.medians(), rounds.contention
     print(f"\ncache-bound point B={POINT.batch} ctx={POINT.ctx}: others took {contention:.0%} of the CPUs")
     for name, strategy in CACHES.items():
         layout = strategy.cache_layout(POINT.shape)

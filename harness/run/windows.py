@@ -1,0 +1,168 @@
+"""A slow window: a group of the run whose steps, or whose in-round read, ran well outside what the
+calibration and the run's other groups predict; it is measured again, or its rows are flagged.
+
+Interleaving makes a group's ratios hold whatever the machine does in the group's window
+(harness.measure.group), but not its absolute figures: on a shared VM a group's whole window can run
+slow, every member's step near twice its usual time, while the read probe in its rounds falls by a
+sixth, contention stays under 1% and every ratio holds. Nothing inside the group tells. So once a
+job's groups are measured, each is set against the job's other groups:
+
+- **steps**: each member's step against the same variant (strategy and options, linear kernel,
+  compile mode) in every other group of the same shape but for ctx and repeat (model, dtype, device,
+  batch, timing, threads, pages alike): the other group's step scaled by the work the analytic model
+  gives the two points at the calibrated roofs (bytes / read roof + FLOPs / FLOP roof), and never
+  scaled down (a step with less work still pays its per-step overhead), so the prediction is an upper
+  bound. The median over the other groups, then over the members, is the group's excess; above
+  SLOW_LIMIT the group ran slow.
+- **the in-round read** (the same kernel over the same bytes in every group): below 1 / SLOW_LIMIT of
+  the median of the job's other groups on the same device, dtype and kernel.
+
+A slow group is measured again, the slowest first: the first always, more while the second
+measurements stay within REMEASURE_SHARE of the job's measuring time. In line then, its new rows
+replace the first; still slow (or failed), its rows are flagged `noisy` with the reason in
+`noise_reason`. A job with no comparable groups (one shape, or each group its own launcher job)
+judges nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import dataclass
+
+from harness.store.files import write_row
+
+log = logging.getLogger("harness")
+
+SLOW_LIMIT = 1.4  # a window this many times slower than the other groups predict is flagged
+REMEASURE_SHARE = 0.25  # second measurements beyond the first stay within this share of the job's time
+NOT_SHAPE = ("strategy", "matmul", "compile", "reference", "ctx", "repeat")  # what comparable groups may differ in
+
+
+@dataclass
+class MeasuredGroup:
+    """A group this job measured: what was timed, the row built for each member, and how long it took."""
+
+    group_id: str
+    timed: list  # harness.run.plan.PlannedPoint of every member timed, in the group's order
+    to_write: set  # keys of the members whose rows this measurement writes (a finished reference is only timed)
+    rows: list  # every timed member's row, in `timed` order
+    seconds: float  # wall time of the group's measurement
+
+    def ok(self) -> list[tuple]:
+        """(point, row) of every member that ran."""
+        return [(job.point, row) for job, row in zip(self.timed, self.rows) if row["status"] == "ok"]
+
+
+def _shape(point) -> str:
+    identity = {k: v for k, v in point.identity().items() if k not in NOT_SHAPE}
+    return json.dumps({**identity, "caches_kv": point.strategy.caches_kv}, sort_keys=True)
+
+
+def _variant(point) -> str:
+    identity = point.identity()
+    return json.dumps([identity["strategy"], point.matmul, point.compile], sort_keys=True)
+
+
+def _work(row) -> float | None:
+    """The analytic model's seconds for the row's step at the calibrated roofs (bytes and FLOPs added:
+    a relative measure of work between points), None without roofs."""
+    if not row.get("roof_bandwidth_Bps") or not row.get("roof_flops"):
+        return None
+    return row["bytes_per_step_model"] / row["roof_bandwidth_Bps"] + row["flops_per_step_model"] / row["roof_flops"]
+
+
+def step_excess(window: MeasuredGroup, others: list[MeasuredGroup]) -> tuple[float | None, int]:
+    """(the window's steps over what the other groups predict, median over members; the other groups
+    it was judged against). None where no member has a counterpart with roofs."""
+    per_member, judged_by = [], set()
+    for point, row in window.ok():
+        work = _work(row)
+        ratios = []
+        for index, other in enumerate(others):
+            for their_point, theirs in other.ok():
+                their_work = _work(theirs)
+                if (work is None or their_work is None or _shape(their_point) != _shape(point)
+                        or _variant(their_point) != _variant(point)):
+                    continue
+                ratios.append(row["decode_step_s"] / (theirs["decode_step_s"] * max(1.0, work / their_work)))
+                judged_by.add(index)
+        if ratios:
+            per_member.append(statistics.median(ratios))
+    return (statistics.median(per_member) if per_member else None), len(judged_by)
+
+
+def probe_shortfall(window: MeasuredGroup, others: list[MeasuredGroup]) -> tuple[float, float] | None:
+    """(the window's in-round read, the median of the other groups' of the same device, dtype and
+    kernel), B/s; None where either is missing."""
+    def reading(group):
+        rows = [row for _, row in group.ok() if row.get("roof_bandwidth_in_rounds_Bps")]
+        return (rows[0]["roof_bandwidth_in_rounds_Bps"], (rows[0]["device"], rows[0]["dtype"],
+                rows[0]["roof_in_rounds_kernel"])) if rows else (None, None)
+
+    mine, kind = reading(window)
+    theirs = [rate for rate, their_kind in map(reading, others) if rate and their_kind == kind]
+    return (mine, statistics.median(theirs)) if mine and theirs else None
+
+
+def slow_reason(window: MeasuredGroup, others: list[MeasuredGroup]) -> str | None:
+    """Why the window ran slow against the others, or None when it did not."""
+    reasons = []
+    excess, judged_by = step_excess(window, others)
+    if excess is not None and excess > SLOW_LIMIT:
+        reasons.append(f"its steps took {excess:.2f}x what {judged_by} other group(s) of the run predict at the "
+                       f"calibrated roofs (limit {SLOW_LIMIT}x)")
+    probe = probe_shortfall(window, others)
+    if probe is not None and probe[0] * SLOW_LIMIT < probe[1]:
+        reasons.append(f"the read in its rounds ran at {probe[0] / 1e9:.1f} GB/s, {probe[0] / probe[1]:.2f}x the "
+                       f"{probe[1] / 1e9:.1f} GB/s of the run's other groups (limit 1/{SLOW_LIMIT})")
+    return "; ".join(reasons) or None
+
+
+def recheck(measured: list[MeasuredGroup], measure_again) -> None:
+    """Judge every group of the job against the others; measure a slow one again (`measure_again`:
+    MeasuredGroup -> a second MeasuredGroup, nothing written) where the budget allows, keep the second
+    measurement where it is in line, flag the rows that stay slow."""
+    slow = {i: reason for i, window in enumerate(measured)
+            if (reason := slow_reason(window, measured[:i] + measured[i + 1:])) is not None}
+    budget, spent = REMEASURE_SHARE * sum(window.seconds for window in measured), 0.0
+    for index in sorted(slow, key=lambda i: -(step_excess(measured[i], measured[:i] + measured[i + 1:])[0] or 0)):
+        window, reason, others = measured[index], slow[index], measured[:index] + measured[index + 1:]
+        log.warning(f"group {window.group_id} ({_label(window)}): a slow window: {reason}")
+        if spent and spent + window.seconds > budget:
+            _flag(window, f"{reason}; not measured again (second measurements took {spent:.0f} s of a "
+                          f"{budget:.0f} s budget)")
+            continue
+        again = measure_again(window)
+        spent += again.seconds
+        if len(again.ok()) < len(window.ok()):
+            _flag(window, f"{reason}; measured again, a member did not run then: the first measurement kept")
+            continue
+        still = slow_reason(again, others)
+        measured[index] = again
+        if still is None:
+            log.info(f"group {window.group_id}: measured again, in line with the run's other groups: its rows "
+                     f"are the second measurement's")
+            _write(again)
+        else:
+            _flag(again, f"{reason}; measured again: {still}")
+
+
+def _label(window: MeasuredGroup) -> str:
+    point = window.timed[0].point
+    return f"{point.model.name} b={point.batch} ctx={point.ctx} {point.device}/{point.dtype}"
+
+
+def _flag(window: MeasuredGroup, reason: str) -> None:
+    """The window's rows written again, noisy with the reason added to noise_reason."""
+    for _, row in window.ok():
+        row["noisy"] = True
+        row["noise_reason"] = "; ".join(filter(None, [row["noise_reason"], f"slow window: {reason}"]))
+    log.warning(f"group {window.group_id}: its rows are flagged noisy: {reason}")
+    _write(window)
+
+
+def _write(window: MeasuredGroup) -> None:
+    for job, row in zip(window.timed, window.rows):
+        if job.point.key in window.to_write:
+            write_row(job.config.results_dir, row)
