@@ -41,24 +41,44 @@ static inline void store_vec(float *p, vec v) { *(vec *)p = v; }
 #endif
 #define FOLD(x, y, h) (__builtin_shufflevector(x, y, FOLD_ALL(h, 0)) + __builtin_shufflevector(x, y, FOLD_ALL(h, 1)))
 
-/* i < LANES with its log2(LANES) bits reversed, a constant expression. */
-#define REVERSED_BIT(i, b) ((((i) >> (b)) & 1) * ((LANES / 2) >> (b)))
-#define BIT_REVERSED(i) (REVERSED_BIT(i, 0) + REVERSED_BIT(i, 1) + REVERSED_BIT(i, 2) + REVERSED_BIT(i, 3))
-
-/* Lane j of the result: the sum of part[j]'s lanes, as a balanced tree (lane i + LANES/2 first, lane
- * i + 1 last). The folds leave lane j holding input bitreverse(j), so they take their inputs in
- * bit-reversed order. */
-static inline vec sum_lanes(const vec part[LANES]) {
-    vec level[LANES / 2];
-    for (int i = 0; i < LANES / 2; i++)
-        level[i] = FOLD(part[BIT_REVERSED(2 * i)], part[BIT_REVERSED(2 * i + 1)], LANES / 2);
+/* fold_h (FOLD at h), and the order in which sum_lanes takes its inputs: the folds leave lane j holding
+ * input bitreverse(j). */
 #if LANES == 16
-    for (int i = 0; i < 4; i++) level[i] = FOLD(level[2 * i], level[2 * i + 1], 4);
+static inline vec fold8(vec x, vec y) { return FOLD(x, y, 8); }
+static inline vec fold4(vec x, vec y) { return FOLD(x, y, 4); }
+static inline vec fold2(vec x, vec y) { return FOLD(x, y, 2); }
+static inline vec fold1(vec x, vec y) { return FOLD(x, y, 1); }
+static const int fold_order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}; /* bit reversal */
+#elif LANES == 8
+static inline vec fold4(vec x, vec y) { return FOLD(x, y, 4); }
+static inline vec fold2(vec x, vec y) { return FOLD(x, y, 2); }
+static inline vec fold1(vec x, vec y) { return FOLD(x, y, 1); }
+static const int fold_order[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#else
+static inline vec fold2(vec x, vec y) { return FOLD(x, y, 2); }
+static inline vec fold1(vec x, vec y) { return FOLD(x, y, 1); }
+static const int fold_order[4] = {0, 2, 1, 3};
+#endif
+
+/* Lane j of the result: the sum of part[j]'s lanes, a balanced tree (lane i + LANES/2 added first, lane
+ * i + 1 last). */
+static inline vec sum_lanes(const vec part[LANES]) {
+    vec level[LANES];
+    int count = LANES / 2;
+#if LANES == 16
+    for (int i = 0; i < count; i++) level[i] = fold8(part[fold_order[2 * i]], part[fold_order[2 * i + 1]]);
+    for (int i = 0; i < count / 2; i++) level[i] = fold4(level[2 * i], level[2 * i + 1]);
+    count /= 2;
+#elif LANES == 8
+    for (int i = 0; i < count; i++) level[i] = fold4(part[fold_order[2 * i]], part[fold_order[2 * i + 1]]);
+#else
+    for (int i = 0; i < count; i++) level[i] = fold2(part[fold_order[2 * i]], part[fold_order[2 * i + 1]]);
+    return fold1(level[0], level[1]);
 #endif
 #if LANES >= 8
-    for (int i = 0; i < 2; i++) level[i] = FOLD(level[2 * i], level[2 * i + 1], 2);
+    for (int i = 0; i < count / 2; i++) level[i] = fold2(level[2 * i], level[2 * i + 1]);
+    return fold1(level[0], level[1]);
 #endif
-    return FOLD(level[0], level[1], 1);
 }
 
 #if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
