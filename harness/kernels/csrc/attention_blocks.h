@@ -143,24 +143,26 @@ typedef struct {
     int64_t block_size, k_block, v_block; /* paged: rows per block, elements from one block to the next */
 } kv_rows;
 
-/* Rows first .. first + count - 1 into key_rows/value_rows/keys at positions at[0], at[1], ...:
- * one division per run, then a cursor that steps to the next block at a block boundary. */
+/* Rows first .. first + count - 1 into key_rows/value_rows/keys at positions at[0], at[1], ... (at NULL:
+ * 0, 1, ...; keys NULL: no key numbers): one division per run, then a cursor that steps to the next
+ * block at a block boundary. */
 static inline void locate_run(const kv_rows *rows, int64_t first, int64_t count, const int64_t *at,
                               const float **key_rows, const float **value_rows, int64_t *keys) {
     if (rows->pages == NULL) {
         for (int64_t i = 0; i < count; i++) {
-            key_rows[at[i]] = rows->k + (first + i) * rows->k_row;
-            value_rows[at[i]] = rows->v + (first + i) * rows->v_row;
-            keys[at[i]] = first + i;
+            int64_t slot = at ? at[i] : i;
+            key_rows[slot] = rows->k + (first + i) * rows->k_row;
+            value_rows[slot] = rows->v + (first + i) * rows->v_row;
+            if (keys) keys[slot] = first + i;
         }
         return;
     }
     int64_t page = first / rows->block_size, offset = first % rows->block_size;
     for (int64_t i = 0; i < count; i++) {
-        int64_t block = rows->pages[page];
-        key_rows[at[i]] = rows->k + block * rows->k_block + offset * rows->k_row;
-        value_rows[at[i]] = rows->v + block * rows->v_block + offset * rows->v_row;
-        keys[at[i]] = first + i;
+        int64_t block = rows->pages[page], slot = at ? at[i] : i;
+        key_rows[slot] = rows->k + block * rows->k_block + offset * rows->k_row;
+        value_rows[slot] = rows->v + block * rows->v_block + offset * rows->v_row;
+        if (keys) keys[slot] = first + i;
         if (++offset == rows->block_size) { /* a lookup of the next id happens only when a row needs it */
             offset = 0;
             page++;

@@ -31,20 +31,18 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
     int64_t rows = lanes * group;
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK], acc[MAX_GROUP][MAX_DIM];
     const float *keys[MAX_LANES][RESOLVED], *values[MAX_LANES][RESOLVED];
-    int64_t at[RESOLVED], numbers[RESOLVED];
     float weight_mask[SOFTMAX_BLOCK]; /* 1 for a visible key, 0 for a masked one */
-    for (int64_t i = 0; i < RESOLVED; i++) at[i] = i;
     start_rows(running_max, running_sum, acc, rows, dim);
     for (int64_t start = 0; start < length; start += SOFTMAX_BLOCK) {
         int64_t n = length - start < SOFTMAX_BLOCK ? length - start : SOFTMAX_BLOCK;
         int64_t ahead = length - start < RESOLVED ? length - start : RESOLVED; /* never past length */
         const float *first_value = lane_rows->v + start * lane_rows->v_row; /* contiguous: row j is v_row further */
         if (!contiguous)
-            for (int64_t l = 0; l < lanes; l++) locate_run(&lane_rows[l], start, ahead, at, keys[l], values[l], numbers);
+            for (int64_t l = 0; l < lanes; l++) locate_run(&lane_rows[l], start, ahead, NULL, keys[l], values[l], NULL);
         for (int64_t j = 0; j < n; j++) {
+            /* Prefetch key row j + GENERIC_PREFETCH_ROWS of every lane (past the rows located: row j) and
+             * value row j, a 64-byte line at a time (a prefetch past a table's end never faults). */
             for (int64_t l = 0; l < lanes; l++) {
-                /* The key row GENERIC_PREFETCH_ROWS ahead (past the rows located: this one again) and this
-                 * value row, a 64-byte line at a time (a prefetch past a table's end never faults). */
                 const float *key = contiguous ? lane_rows->k + (start + j) * lane_rows->k_row : keys[l][j];
                 const float *next_key = contiguous ? key + GENERIC_PREFETCH_ROWS * lane_rows->k_row
                                         : j + GENERIC_PREFETCH_ROWS < ahead ? keys[l][j + GENERIC_PREFETCH_ROWS] : key;
@@ -53,14 +51,18 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
                     __builtin_prefetch(next_key + line);
                     __builtin_prefetch(value + line);
                 }
+            }
+            for (int64_t l = 0; l < lanes; l++) {
+                const float *key = contiguous ? lane_rows->k + (start + j) * lane_rows->k_row : keys[l][j];
                 key_scores(q + l * group * dim, key, group, dim, scale, p + l * group, j);
             }
         }
         int masked = start + n > visible;
-        for (int64_t j = 0; j < n; j++) weight_mask[j] = start + j < visible ? 1.0f : 0.0f;
-        if (masked)
+        if (masked) {
+            for (int64_t j = 0; j < n; j++) weight_mask[j] = start + j < visible ? 1.0f : 0.0f;
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = visible - start < 0 ? 0 : visible - start; j < n; j++) p[r][j] = MASKED;
+        }
         softmax_rows(p, n, rows, dim, running_max, running_sum, acc, masked ? weight_mask : NULL);
         for (int64_t r = 0; r < rows; r++)
             accumulate_values(contiguous ? NULL : values[r / group], first_value, lane_rows->v_row, n, p[r], dim, acc[r]);
