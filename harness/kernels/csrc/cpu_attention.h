@@ -71,8 +71,10 @@ static inline __attribute__((always_inline)) void walk_lanes(const float *q, con
 }
 
 /* out[r] = softmax(scale * q[r] . K^T) V over keys 0..length-1 of lane r / group (keys visible..
- * weighted 0), for the lanes * group query rows r (<= MAX_GROUP), consecutive in q and out. */
-static void attend_generic(const float *q, const kv_rows *lane_rows, int64_t lanes, float *out, int64_t group,
+ * weighted 0), for the lanes * group query rows r (<= MAX_GROUP), consecutive in q and out. A function
+ * of its own (noinline): merged into its caller beside the fixed-width path, its loops lost registers to
+ * spills and ran ~4% slower at head_dim 16. */
+static __attribute__((noinline)) void attend_generic(const float *q, const kv_rows *lane_rows, int64_t lanes, float *out, int64_t group,
                            int64_t length, int64_t visible, int64_t dim, float scale) {
     if (lanes == 1 && lane_rows->pages == NULL)
         walk_lanes(q, lane_rows, 1, out, group, length, visible, dim, scale, 1);
@@ -81,8 +83,9 @@ static void attend_generic(const float *q, const kv_rows *lane_rows, int64_t lan
 }
 
 /* One (sequence, KV head), its rows found through `rows`: out[g] = softmax(scale * q[g] . K^T) V over
- * keys 0..length-1, keys visible.. weighted 0. */
-static inline void attend_pair(const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length,
+ * keys 0..length-1, keys visible.. weighted 0. Inlined into the kernels' task loops, as the fixed-width
+ * path was before it was shared (an out-of-line call measured 1-3% slower at head_dim 64). */
+static inline __attribute__((always_inline)) void attend_pair(const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length,
                                int64_t visible, int64_t dim, float scale) {
     if (dim == 64)
         attend_fixed(q, rows, out, group, length, visible, scale, 64 / LANES);
