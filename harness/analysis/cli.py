@@ -20,6 +20,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from harness.analysis import capacity
@@ -70,8 +75,6 @@ def _options(group: str) -> list[str]:
 def _check_overrides(overrides: list[str]) -> None:
     """Name an unknown model=/hardware= choice with the allowed ones (Hydra's own message is a page),
     and the override Hydra cannot parse (its own message does not say which)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     for override in overrides:
         key, sep, value = override.partition("=")
@@ -88,10 +91,6 @@ def _check_overrides(overrides: list[str]) -> None:
 
 def compose(overrides: list[str]):
     """The composed config, or UsageError with Hydra's complaint reduced to one line."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-
     _check_overrides(overrides)
     ConfigStore.instance().store(name="analytic_schema", node=AnalyticConfig)
     GlobalHydra.instance().clear()

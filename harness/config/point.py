@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Optional
 from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_fields
 from harness.config.layout import CacheLayout
 from harness.config.schema import AccuracyConfig, ModelConfig, TimingConfig
+from harness.config.validate import target_class
 
 
 # Field metadata read by harness.run.row.flatten: the column a field becomes under another name than
@@ -49,8 +50,6 @@ class StrategyChoice:
 
     def instantiate(self):
         """The strategy object (imports strategies/ only when called)."""
-        from harness.config.validate import target_class
-
         return target_class("strategy_class", self.strategy_class)(backend=self.backend, **self.strategy_options)
 
 

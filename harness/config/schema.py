@@ -137,7 +137,7 @@ class RunConfig:
 
 def register_schemas() -> None:
     """Register the schemas with Hydra's ConfigStore (imported lazily: Hydra is only needed to run)."""
-    from hydra.core.config_store import ConfigStore
+    from hydra.core.config_store import ConfigStore  # here: harness.config imports no Hydra (the report runs without it)
 
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)

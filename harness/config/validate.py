@@ -260,7 +260,7 @@ def interpolations_resolve(cfg, prefix: str = "", skip: tuple[str, ...] = ()) ->
     anything reads a value, since the read would raise OmegaConf's own error (a traceback). `skip`:
     keys left unchecked (Hydra's own node, whose job fields are set only when a job runs)."""
     from omegaconf import DictConfig, OmegaConf  # imported here: this module stays free of omegaconf at import
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError  # likewise
 
     keys = list(cfg.keys()) if isinstance(cfg, DictConfig) else list(range(len(cfg)))
     for key in keys:
@@ -284,7 +284,7 @@ def _plain(cfg) -> Any:
     """A composed config as plain containers, interpolations resolved (omegaconf imported only here)."""
     if isinstance(cfg, (dict, list)):
         return cfg
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # here: this module stays free of omegaconf at import
 
     return OmegaConf.to_container(cfg, resolve=True)
 

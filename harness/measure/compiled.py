@@ -29,7 +29,7 @@ def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far."""
     if "torch._dynamo" not in sys.modules:
         return 0  # torch.compile imports dynamo: nothing compiled yet (and no second of importing it to learn so)
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # here: dynamo takes seconds to import, and only a compiled run needs it
 
     return counters["stats"]["unique_graphs"]
 

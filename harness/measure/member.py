@@ -21,7 +21,7 @@ from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
 from harness.measure.decoding import not_run, start_decode
 from harness.measure.rounds import Step
-from harness.measure.timing import StepTimer, warm_up
+from harness.measure.timing import StepStats, StepTimer, warm_up
 from strategies.base import StrategyUnavailable
 
 PEAK_METHOD = {
@@ -40,8 +40,17 @@ class Member:
         self.outcome: dict | None = None  # set when the member is skipped or failed: its whole measured dict
         self.steps_taken = 0  # timed steps so far: the round index of the next one
         self.generated: list[torch.Tensor] = []  # [B] per position, the first decode token first
-        self.strategy = None
-        self.session = None
+        self.strategy = None  # the strategy object, built at set-up
+        self.session = None  # the live DecodeSession, from set-up until release or failure
+        self.kernel: str | None = None  # the attention kernel the strategy runs here (the row's `kernel`)
+        self.prefill: StepStats | None = None  # the prompt's timings (start_decode; None with prefill=random)
+        self.compiled: CompiledSteps | None = None  # the compiled step, where the point compiles
+        self.warmup_steps = 0  # warm-up steps taken at the first decode position
+        self.memory: dict = {}  # the member's own peak memory, read over its set-up
+        self._graphed: GraphedSteps | None = None  # the captured steps, with timing.cuda_graphs
+        self._eager_step = None  # session.step or its compiled form: what an eager round calls
+        self._call = None  # the next timed call, prepared outside the timed region
+        self._next_token: torch.Tensor | None = None  # a graph's output token, read after its replay [B]
 
     @property
     def live(self) -> bool:
@@ -87,7 +96,6 @@ class Member:
         """Warm-up steps at the first decode position (the session rewound after each: the tokens stay
         the reference's)."""
         t, session, first_token = self.point.timing, self.session, self.generated[0]
-        self._graphed = None
         if t.cuda_graphs:
             graphed = self._graphed = GraphedSteps(session, first_token, self.point.decode_tokens)  # every step, up front
             return EAGER_WARMUP_STEPS + warm_up(graphed.first_step_probe(timer.time), t.warmup_min, t.warmup_max,

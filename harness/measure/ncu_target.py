@@ -2,8 +2,8 @@
 
     python -m harness.measure.ncu_target '<json of point.record()>'
 
-It repeats what harness.measure.decoding.measure_point does up to the timed loop (same model, seed, prompt and
-cache), so the profiled steps are the measured steps: same positions, same tokens. Everything before
+It repeats what a group's member does before its rounds (harness.measure.member.Member.set_up, through
+harness.measure.decoding.start_decode: same model, seed, prompt and cache), so the profiled steps are the measured steps: same positions, same tokens. Everything before
 the steps (model build, prefill, one warm-up step) runs outside the range and is not profiled. It
 prints nothing: ncu's CSV shares its stdout.
 """
@@ -29,7 +29,7 @@ def _decode_range(device: torch.device):
 
 def run_decode_steps(point: Point) -> torch.Tensor:
     """Prefill, one warm-up step (rewound), then the point's greedy steps, each in the range.
-    Returns the generated tokens [B, decode_tokens + 1], equal to measure_point's."""
+    Returns the generated tokens [B, decode_tokens + 1], equal to the measured member's."""
     device, dtype = torch.device(point.device), getattr(torch, point.dtype)
     torch.set_num_threads(point.threads)
     strategy = point.strategy.instantiate()
@@ -39,7 +39,7 @@ def run_decode_steps(point: Point) -> torch.Tensor:
     flush_buffer = StepTimer(device, cold_cache=point.timing.cold_cache).flush_buffer
     generator = torch.Generator(device=device).manual_seed(point.seed)
 
-    session, first_token, _ = start_decode(  # same draws as measure_point
+    session, first_token, _ = start_decode(  # same draws as the measured member
         point, lambda: strategy.new_session(model, point.batch, point.max_len), generator)
 
     # One warm-up step: lazy initialisation and allocator growth stay out of the profiled steps.

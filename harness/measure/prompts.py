@@ -42,8 +42,13 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
+from tokenizers import Tokenizer
 
 from harness.config.texts import builtin_text, is_builtin_text
+from harness.model.checkpoint import read_checkpoint
+from harness.model.checkpoint_fields import CheckpointError
+from harness.model.gguf_tokenizer import gguf_tokenizer
 
 TOKEN_FILES = (".json", ".npy")  # file suffixes read as token ids; any other is text
 HASHED_HEAD_BYTES = 16 * 2**20  # the content hash reads this much of the file's start...
@@ -83,8 +88,6 @@ def content_hash(source: str | Path, tokenizer: Optional[Path]) -> str:
 
 def _tokenizer_fingerprint(tokenizer: Path) -> bytes:
     if tokenizer.suffix == ".gguf":
-        from harness.model.checkpoint import read_checkpoint
-
         return read_checkpoint(tokenizer).content_hash.encode()
     return tokenizer.read_bytes()
 
@@ -168,12 +171,7 @@ def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> li
 @functools.lru_cache(maxsize=2)
 def _tokenizer(path: Path, _mtime_ns: int):
     """The `tokenizers` Tokenizer of a tokenizer.json or a GGUF file's metadata (built once per process)."""
-    from tokenizers import Tokenizer
-
     if path.suffix == ".gguf":
-        from harness.model.checkpoint_fields import CheckpointError
-        from harness.model.gguf_tokenizer import gguf_tokenizer
-
         try:
             return gguf_tokenizer(path)
         except CheckpointError as error:
@@ -232,10 +230,8 @@ def checked_tokens(point, limit: int) -> np.ndarray:
     return read_tokens(point.prompt, tokenizer, limit=limit)
 
 
-def point_prompt(point, device) -> "torch.Tensor":
+def point_prompt(point, device) -> torch.Tensor:
     """The timed run's windows of a point's prompt [batch, ctx + decode_tokens + 1] on `device`."""
-    import torch
-
     length = window_tokens(point.ctx, point.decode_tokens)
     ids = windows(checked_tokens(point, point.batch * length), point.batch, length, point.model.vocab_size,
                   f"'{point.prompt}'")

@@ -17,8 +17,14 @@ from __future__ import annotations
 import socket
 from datetime import datetime, timezone
 
+import torch
+
 from harness.measure.contention import CpuTimes, others_fraction
+from harness.measure.device import device_name
 from harness.measure.rounds import RoundsOptions, time_rounds
+from harness.measure.timing import StepTimer
+from harness.model import cpu_gemv
+from harness.model.cpu_linear import onednn_supports
 from harness.store.calibration import Calibration, best_gemv
 
 REPEATS = 10
@@ -33,13 +39,6 @@ def measure_within(request: tuple[str, str, float, bool]) -> Calibration:
     allocates ~1.5 READ_BYTES). `request` is (device, dtype, budget in seconds, c_linear): with
     c_linear false the C linear is left out (and its extension never loaded: a run of torch's kernels
     only touches no kernel cache)."""
-    import torch
-
-    from harness.measure.device import device_name
-    from harness.measure.timing import StepTimer
-    from harness.model import cpu_gemv
-    from harness.model.cpu_linear import onednn_supports
-
     device_type, dtype_name, budget_s, c_linear = request
     device, dtype = torch.device(device_type), getattr(torch, dtype_name)
     timer = StepTimer(device)
@@ -101,8 +100,6 @@ class _BestOf:
 def _gemm_size(full_n: int, share: float, device, dtype, timer) -> int:
     """The largest GEMM size, halving from full_n (PROBE_N at least), whose warm-up and two timed runs
     fit `share` seconds, extrapolated from one timed PROBE_N GEMM (time grows as n^3)."""
-    import torch
-
     probe = min(PROBE_N, full_n)
     a, b = (torch.randn(probe, probe, device=device, dtype=dtype) for _ in range(2))  # [probe, probe]
     a @ b
@@ -115,8 +112,6 @@ def _gemm_size(full_n: int, share: float, device, dtype, timer) -> int:
 
 def _reduction_rate(nbytes: int, device, dtype, best_seconds) -> float:
     """Bytes/s of a full reduction: a pure stream. Its buffer is freed on return."""
-    import torch
-
     stream = torch.ones(nbytes // torch.empty((), dtype=dtype).element_size(), device=device, dtype=dtype)  # [N]
     return stream.nbytes / best_seconds(lambda: stream.sum())
 
@@ -129,10 +124,6 @@ class GemvRead:
     and a group interleaves with its steps (harness.measure.group), so both read the same way."""
 
     def __init__(self, kernel: str, nbytes: int, device, dtype):
-        import torch
-
-        from harness.model.cpu_gemv import gemv
-
         rows = 8192
         cols = nbytes // torch.empty((), dtype=dtype).element_size() // rows
         matrix = torch.ones(rows, cols, device=device, dtype=dtype)  # [R, C]
@@ -142,7 +133,7 @@ class GemvRead:
         if kernel == "aten":
             self.run = lambda: torch.mv(matrix, vector)
         elif kernel == "c":
-            self.run = lambda: gemv(row, matrix)
+            self.run = lambda: cpu_gemv.gemv(row, matrix)
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
             self.run = lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")
@@ -154,9 +145,6 @@ class GemvRead:
 def gemv_kernels(device_type: str, dtype_name: str, c_linear: bool) -> tuple[str, ...]:
     """The matrix-vector kernels that run on this device and dtype; the C linear only where `c_linear`
     (the points use it: matmul=c), so a run of torch's kernels never loads the C extension."""
-    from harness.model import cpu_gemv
-    from harness.model.cpu_linear import onednn_supports
-
     on_cpu = device_type == "cpu"
     return tuple(kernel for kernel, runs in (
         ("aten", True),

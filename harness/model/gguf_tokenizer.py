@@ -6,7 +6,7 @@ A GGUF file has no tokenizer.json: llama.cpp's converter stores the vocabulary (
 `unknown_token_id`, `padding_token_id`, `add_bos_token`, `add_eos_token`), the kind of model
 (`tokenizer.ggml.model`) and the name of the pre-tokenizer that splits text before BPE
 (`tokenizer.ggml.pre`). `gguf_tokenizer` builds what transformers' GGUF conversion builds
-(transformers/integrations/gguf/gguf_tokenizer_mapping.py; tests/test_gguf_tokenizer.py compares ids):
+(transformers/integrations/gguf/gguf_tokenizer_mapping.py; tests/test_gguf.py and tests/test_smollm2.py compare ids):
 
 - `gpt2`: byte-level BPE, its vocabulary spelled in GPT-2's byte alphabet, text split by GPT-2's
   regex or, for the pre-tokenizers PRE_TOKENIZER_SPLITS names, by their own;

@@ -20,6 +20,7 @@ import yaml
 from harness.config import ConfigError
 from harness.config.paths import config_dir
 from harness.config.validate import target_class
+from strategies.base import Strategy
 
 SEARCHPATH_ENV = "HARNESS_SEARCHPATH"
 
@@ -44,8 +45,6 @@ def strategy_targets(extra_dirs: Iterable[Path] = ()) -> dict[str, str]:
 
 def strategy_class(target: str, option: str = "strategy"):
     """The Strategy subclass a `_target_` names, or ConfigError naming the key."""
-    from strategies.base import Strategy
-
     return target_class(f"{option}._target_", target, base=Strategy)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from harness.measure.contention import ROOF_LIMIT
 from harness.measure.group import GroupRequest, could_be_reference, measure_group
+from harness.measure.ncu import measure_traffic
 from harness.measure.decoding import not_run
 from harness.run import calibrate, windows
 from harness.run.grouping import PlannedGroup
@@ -121,8 +122,6 @@ def _outcome(row: dict) -> str:
 
 def measured_traffic(point) -> dict:
     """DRAM bytes per step from Nsight Compute; on failure the row keeps traffic_source=model."""
-    from harness.measure.ncu import measure_traffic
-
     try:
         return measure_traffic(point)
     except RuntimeError as error:

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import traceback
+from multiprocessing import forkserver
 from typing import Callable
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -32,8 +33,6 @@ def _start_fork_server() -> None:
     ignores SIGINT itself only once its imports are done). SIGINT is blocked meanwhile, so a Ctrl-C in
     these milliseconds stays pending (Linux never discards a blocked signal) and reaches the runner
     when its handler is back."""
-    from multiprocessing import forkserver
-
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -46,8 +45,6 @@ def _start_fork_server() -> None:
 def stop_fork_server() -> None:
     """End the fork server now (on Ctrl-C): it ignores SIGINT, and while it still imports torch it
     would only notice seconds later that the runner is gone, holding the runner's stdout meanwhile."""
-    from multiprocessing import forkserver
-
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # set only once this process started one
     if pid:
         try:

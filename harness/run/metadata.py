@@ -73,7 +73,7 @@ def harness_version() -> str | None:
 
 @functools.cache
 def torch_version() -> str:
-    import torch
+    import torch  # here: the report reads a folder's metadata without torch
 
     return torch.__version__
 
