@@ -1,5 +1,5 @@
 """A decode step's linears alone, through each CPU linear kernel: the C small-batch kernel
-(harness/model/cpu_gemv.c), oneDNN with packed weights, aten's F.linear.
+(harness/kernels/csrc/cpu_gemv.c), oneDNN with packed weights, aten's F.linear.
 
 The weight matrices of a model's layers (fp32, seeded) are multiplied in a row by `rows` input rows, as
 one decode step does, timed in interleaved rounds (harness.measure.rounds: one pass of each kernel in

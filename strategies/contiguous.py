@@ -5,7 +5,8 @@ copies it; a step writes one position and attends over the filled prefix [0, len
 
 Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what each needs):
 - `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
-  the cache faster than SDPA's CPU kernel (scripts/attention_ab.py); the prompt still goes through SDPA.
+  the cache faster than SDPA's CPU kernel (conf/sweep/attention_backends.yaml times the two); the
+  prompt still goes through SDPA.
   Where the kernel cannot run, the point is skipped with the reason.
 - `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
 - `auto` (default): `c` where it can run, else `sdpa` (strategies.backends). Rows name the kernel that ran.

@@ -19,7 +19,7 @@ namespace {
 
 using at::Tensor;
 
-// Every constant Python needs, by name: read once per process (harness.kernels.extension.constants).
+// Every constant Python needs, by name: read once per process (harness.kernels.extension.Extension.constants).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> constants() {
     return {{"MAX_GROUP", "MAX_DIM", "FORMAT_INT8", "FORMAT_INT4", "FORMAT_FP8_E4M3"},
             {MAX_GROUP, MAX_DIM, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8_E4M3}};
