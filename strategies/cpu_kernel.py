@@ -23,14 +23,17 @@ def shape_unsupported(group: int, head_dim: int) -> str | None:
     return CONTIGUOUS_KERNEL.shape_unsupported(group, head_dim)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                     visible: int | None = None) -> torch.Tensor:
     """q [B, n_kv, G, D]; k, v [B, n_kv, S, D] cache tables (rows 0..length-1 are read) -> [B, n_kv, G, D].
 
     Softmax(q k^T / sqrt(D)) v for one query position per sequence; the caller has checked
-    `unavailable` and `shape_unsupported`. Eager and under torch.compile alike this is one call of the
-    operator, which a compiled graph keeps as one opaque kernel.
+    `unavailable` and `shape_unsupported`. Rows visible.. are still read and multiplied, by an exact 0
+    (None: none): what attention over a whole preallocated table under a mask costs, as `static_full`
+    measures. Eager and under torch.compile alike this is one call of the operator, which a compiled
+    graph keeps as one opaque kernel.
     """
-    return ops().decode_attention(q, k, v, length, length)
+    return ops().decode_attention(q, k, v, length, length if visible is None else visible)
 
 
 def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
@@ -40,15 +43,5 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
     batch, _, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)  # [B, n_kv, G, D]
-    out = ops().decode_attention(grouped, k, v, length, length if visible is None else visible)
-    return out.view(batch, 1, n_heads, head_dim)
+    return decode_attention(grouped, k, v, length, visible).view(batch, 1, n_heads, head_dim)
 
-
-def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
-                            visible: int) -> torch.Tensor:
-    """`decode_attention` reading rows 0..length-1 of k and v, of which rows visible.. get weight 0.
-
-    The masked rows are still read and multiplied (by an exact 0): what attention over a whole
-    preallocated table under a mask costs, as `static_full` measures.
-    """
-    return ops().decode_attention(q, k, v, length, visible)

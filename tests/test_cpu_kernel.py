@@ -51,7 +51,7 @@ def test_masked_rows_are_read_but_weigh_nothing(batch, n_kv, group, head_dim, le
     q = torch.randn(batch, n_kv, group, head_dim, generator=generator)  # [B, n_kv, G, D]
     for visible in sorted({1, max(1, length // 3), length}):
         expected = F.scaled_dot_product_attention(q, table_k[:, :, :visible], table_v[:, :, :visible])
-        got = cpu_kernel.masked_decode_attention(q, table_k, table_v, length, visible=visible)
+        got = cpu_kernel.decode_attention(q, table_k, table_v, length, visible=visible)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -77,7 +77,7 @@ def test_the_output_does_not_depend_on_the_thread_count(head_dim, group, visible
     generator = torch.Generator().manual_seed(head_dim)
     k, v = (torch.randn(3, 2, 700, head_dim, generator=generator) for _ in range(2))  # [B, n_kv, S, D]
     q = torch.randn(3, 2, group, head_dim, generator=generator)  # [B, n_kv, G, D]
-    assert same_at_thread_counts(lambda: cpu_kernel.masked_decode_attention(q, k, v, 700, visible))
+    assert same_at_thread_counts(lambda: cpu_kernel.decode_attention(q, k, v, 700, visible))
 
 
 def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
