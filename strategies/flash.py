@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy
@@ -27,7 +28,7 @@ class FlashAttnLayerCache:
     seq_dim = 1  # position axis of k and v
 
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
-        from flash_attn import flash_attn_with_kvcache
+        from flash_attn import flash_attn_with_kvcache  # optional: the flash extra, imported only where it runs
 
         self.kernel = flash_attn_with_kvcache
         self.k = torch.zeros(batch, max_len, n_kv_heads, head_dim, device=device, dtype=dtype)  # [B, S, n_kv, D]
@@ -49,8 +50,6 @@ class TorchFlashLayerCache(ContiguousLayerCache):
     """The contiguous table [B, n_kv, S, D]; attention by SDPA restricted to FLASH_ATTENTION."""
 
     def __init__(self, batch, n_kv_heads, max_len, head_dim, device, dtype):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         super().__init__(batch, n_kv_heads, max_len, head_dim, device, dtype)
         self.only_flash = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 

@@ -165,7 +165,7 @@ class PagedLayerCache:
         self.blocks = blocks
         self.backend = backend  # "c", "torch" or "flash_attn", resolved by the strategy
         if backend == "flash_attn":
-            from flash_attn import flash_attn_with_kvcache
+            from flash_attn import flash_attn_with_kvcache  # optional: the flash extra
 
             self.flash_attn = flash_attn_with_kvcache
             self.seqlens = torch.zeros(blocks.batch, dtype=torch.int32, device=device)  # [B] cached length

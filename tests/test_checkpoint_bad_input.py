@@ -104,9 +104,9 @@ def test_a_sliding_window_the_point_passes(copy):
 
 
 def test_a_checkpoint_larger_than_free_memory(good, monkeypatch):
-    import harness.measure.memory
+    import harness.run.inputs
 
-    monkeypatch.setattr(harness.measure.memory, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(harness.run.inputs, "available_bytes", lambda device: 1000)
     message = refused(f"model.checkpoint={good}")
     assert message.startswith("model.checkpoint:") and "GiB of memory is free" in message
 

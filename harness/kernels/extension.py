@@ -112,7 +112,7 @@ def _put_ninja_on_path() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja
+        import ninja  # here: only where no ninja is on PATH, and the package may be missing
     except ImportError:
         return  # the build then fails, saying ninja is needed
     os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))

@@ -63,7 +63,7 @@ def others_fraction_since(start: CpuTimes) -> float:
 def gpu_state(device_index: int = 0) -> dict:
     """Other processes on the GPU, its SM clock and throttle reasons, from NVML; {} without nvidia-ml-py."""
     try:
-        import pynvml
+        import pynvml  # optional: the gpu extra (nvidia-ml-py)
     except ImportError:
         return {}
     try:

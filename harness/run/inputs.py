@@ -21,15 +21,20 @@ import dataclasses
 import functools
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+import torch
 from omegaconf import OmegaConf
 
+from harness.analysis.analytic import dtype_bytes
 from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
 from harness.config.paths import config_dir
-
-if TYPE_CHECKING:  # the module itself is imported where a checkpoint is read (checkpoint_shape)
-    from harness.model.checkpoint import Checkpoint
+from harness.config.validate import validate_model
+from harness.measure.memory import available_bytes
+from harness.measure.prompts import (PromptError, accuracy_tokens_needed, accuracy_windows, content_hash,
+                                     file_windows, read_tokens, tokenizer_of, window_tokens)
+from harness.model.checkpoint import Checkpoint, CheckpointError, read_checkpoint, shape_fields
+from harness.run.catalog import strategy_catalog
 
 TORCH_BACKENDS = ("sdpa", "torch")  # kernel families of torch's own operators: any device, any dtype
 GIB = 2**30
@@ -52,10 +57,6 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
     """The shape of `model.checkpoint` (its name as the module docstring says), its content hash and its
     weights_description; ConfigError on `model.checkpoint` for a checkpoint the decoder cannot load or
     memory cannot hold."""
-    from harness.analysis.analytic import dtype_bytes
-    from harness.config.validate import validate_model
-    from harness.model.checkpoint import CheckpointError, read_checkpoint, shape_fields
-
     try:
         checkpoint = read_checkpoint(model.checkpoint)
     except CheckpointError as error:
@@ -71,8 +72,6 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
         raise ConfigError("ctx", f"ctx + decode_tokens = {max_len} passes the checkpoint's sliding_window={window}, "
                                  "which the decoder does not apply; keep the point within it")
     if device == "cpu":
-        from harness.measure.memory import available_bytes
-
         need, have = checkpoint.parameters * dtype_bytes(dtype), available_bytes("cpu")
         if need > have:
             raise ConfigError("model.checkpoint", f"'{shape.checkpoint}' needs {need / GIB:.1f} GiB as {dtype}, "
@@ -85,9 +84,6 @@ def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx
     """The content hash of the prompt file or built-in text, once it is known to give the point its
     windows: the timed run's, and with `accuracy` (an approximate strategy's pass) the accuracy pass's;
     ConfigError on `prompt` or `accuracy.tokens` otherwise."""
-    from harness.measure.prompts import (PromptError, accuracy_tokens_needed, accuracy_windows, content_hash,
-                                         file_windows, read_tokens, tokenizer_of, window_tokens)
-
     if prefill != "compute":
         raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
     tokenizer = tokenizer_of(shape.checkpoint)
@@ -110,8 +106,6 @@ def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx
 @functools.cache
 def _reference_candidates() -> tuple[tuple[type, str], ...]:
     """(class, torch backend) of every exact caching strategy of the catalog, in its order."""
-    from harness.run.catalog import strategy_catalog
-
     found = []
     for cls in strategy_catalog().values():
         backend = next((b for b in cls.backend_names() if b in TORCH_BACKENDS), None)
@@ -123,8 +117,6 @@ def _reference_candidates() -> tuple[tuple[type, str], ...]:
 def accuracy_reference(strategy: StrategyChoice, shape: ModelConfig, device: str, dtype: str) -> Optional[str]:
     """"<module>.<Class>:<backend>" of the strategy an approximate `strategy` is judged against (the
     module docstring), None for an exact one; ConfigError when the catalog has none that runs here."""
-    import torch
-
     if strategy.exact:
         return None
     for cls, backend in _reference_candidates():

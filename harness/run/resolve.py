@@ -11,11 +11,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from harness.config import AccuracyConfig, ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
 from harness.config.texts import is_builtin_text
+from harness.measure.ncu import NCU_ENV, ncu_executable
+from harness.model import cpu_gemv
+from harness.model.cpu_linear import onednn_supports
+from harness.model.cpu_linear import resolve_matmul as resolved_matmul
+from harness.model.factory import BIAS_FREE_MATMULS
+from harness.run.catalog import strategy_class
 from harness.run.inputs import accuracy_reference, checkpoint_shape, prompt_source
+from strategies.base import StrategyUnavailable
 
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 
@@ -32,8 +40,6 @@ def resolve_device(device: str) -> str:
 
 def resolve_traffic(traffic: str, device: str) -> str:
     """`auto` uses Nsight Compute where it can read DRAM counters (CUDA with ncu on PATH)."""
-    from harness.measure.ncu import NCU_ENV, ncu_executable
-
     if traffic == "ncu" and ncu_executable() is None:
         raise ConfigError("traffic", f"ncu was asked for but is not on PATH (nor named by ${NCU_ENV}); allowed: auto, model")
     if traffic != "auto":
@@ -42,10 +48,6 @@ def resolve_traffic(traffic: str, device: str) -> str:
 
 
 def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool = False) -> str:
-    from harness.model import cpu_gemv
-    from harness.model.factory import BIAS_FREE_MATMULS
-    from harness.model.cpu_linear import onednn_supports, resolve_matmul as resolved
-
     if bias and matmul in BIAS_FREE_MATMULS:
         raise ConfigError("matmul", f"{matmul} drops a bias, and this model's q/k/v projections have one "
                                     "(model.attention_bias); allowed: auto, aten")
@@ -57,7 +59,7 @@ def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool 
         raise ConfigError("matmul", f"c is a CPU float32 kernel; this point is {dtype} on {device}; allowed: auto, aten")
     if matmul == "c" and (reason := cpu_gemv.unavailable()):
         raise ConfigError("matmul", f"c cannot run here ({reason}); allowed: auto, aten")
-    return resolved(matmul, device, dtype, batch)
+    return resolved_matmul(matmul, device, dtype, batch)
 
 
 def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,
@@ -65,11 +67,6 @@ def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill
     """The strategy of a point: its class built from the options (which it checks), its capabilities,
     and `auto` resolved. A strategy that cannot run here keeps `auto`: its point becomes a skipped row
     with the reason when it runs."""
-    import torch
-
-    from harness.run.catalog import strategy_class
-    from strategies.base import StrategyUnavailable
-
     if "_target_" not in strategy_cfg:
         raise ConfigError("strategy", "no _target_: pick an option of conf/strategy/ (strategy=<name>)")
     cls = strategy_class(strategy_cfg["_target_"])
@@ -95,8 +92,6 @@ def point_from_config(cfg, variant: str = "") -> Point:
     """Resolve a composed (and validated) config into a Point; `variant`: the strategy's name in rows
     (harness.run.variants; empty: the class's name). Raises ConfigError for what only the strategy,
     the matmul kernel, the traffic source or the prompt can refuse."""
-    import torch
-
     device = resolve_device(cfg.device)
     dtype = DEFAULT_DTYPE[device] if cfg.dtype == "auto" else cfg.dtype
     model = model_config_from(OmegaConf.to_container(cfg.model, resolve=True))
