@@ -33,7 +33,8 @@ def finished_row(results_dir, key):
 def fake_calibration(device: str = "cpu", dtype: str = "float32", timestamp: str = "2024-01-01T00:00:00+00:00"):
     return Calibration(device=device, device_name="test cpu", hostname=socket.gethostname(), dtype=dtype,
                        read_bandwidth_Bps=1e10, read_bandwidth_sum_Bps=1e10, read_bandwidth_gemv_Bps=1e10,
-                       read_bandwidth_packed_gemv_Bps=None, matmul_flops=1e11, timestamp=timestamp, method="planted")
+                       read_bandwidth_packed_gemv_Bps=None, matmul_flops=1e11, timestamp=timestamp, method="planted",
+                       read_bandwidth_c_gemv_Bps=1e10)  # covers matmul=c, which auto picks on a CPU in fp32
 
 
 def seeded(results_dir: Path) -> Path:

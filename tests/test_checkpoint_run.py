@@ -50,4 +50,6 @@ def test_a_sweep_on_a_checkpoint_and_its_report(tmp_path):
     section = section[: section.index("\n## ", 1)]
     assert f"Accuracy from a checkpoint's weights: `{folder}`" in section
     assert "Random weights do not predict real accuracy" in section
-    assert " → " in section  # a perplexity, exact → cache
+    reference = checkpoint["perplexity_reference"]
+    assert f"The exact cache's perplexity on it: {reference:.4g} after ctx " in section
+    assert f"| {checkpoint['perplexity_ratio']:.4f} [" in section  # the ratio with its interval

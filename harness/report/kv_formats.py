@@ -53,7 +53,20 @@ def weights_note(group: Cohort) -> str:
     prompts = rows["prompt"].dropna().unique() if "prompt" in rows else []
     parts.append(f"Prompts and scored text from {', '.join(f'`{p}`' for p in prompts)}." if len(prompts) else
                  "Prompts were seeded random token ids, so no perplexity was measured.")
+    if len(prompts) and (reference := _reference_perplexities(rows)):
+        parts.append(f"The exact cache's perplexity on it: {reference} (the ratios below divide by it).")
     return " ".join(parts)
+
+
+def _reference_perplexities(rows: pd.DataFrame) -> str:
+    """The reference's perplexity per context its scored tokens followed, e.g. "9.734 after ctx 512";
+    empty where no row recorded one."""
+    if "perplexity_reference" not in rows:
+        return ""
+    contexts = rows["accuracy_ctx"].fillna(rows["ctx"]) if "accuracy_ctx" in rows else rows["ctx"]
+    found = rows.assign(after=contexts).dropna(subset=["perplexity_reference"])
+    by_context = found.groupby("after")["perplexity_reference"].median()
+    return ", ".join(f"{perplexity:.4g} after ctx {int(after)}" for after, perplexity in by_context.items())
 
 
 def _with_interval(middle: float, low: float, high: float, digits: str) -> str:
