@@ -1,8 +1,8 @@
 """One backend rule for every strategy (strategies/backends.py): backends declared as data in preference
 order, `auto` the first whose needs hold, a named one that cannot run a skipped row with the reason,
 the choice made once when a point is planned and run by its sessions; and every row's `backend` and
-`kernel` columns as they were before the rule was written once (tests/fixtures/backend_columns.json,
-recorded from the four rules it replaced, with the C kernels built and without them), device=cpu."""
+`kernel` columns pinned for every strategy, option, backend, dtype and shape class
+(tests/fixtures/backend_columns.json, with the C kernels built and without them), device=cpu."""
 from __future__ import annotations
 
 import json
@@ -56,6 +56,7 @@ def point_columns(name: str, backend: str, dtype: str, overrides: list[str]) -> 
     return [point.strategy.backend, kernel]
 
 
+@pytest.mark.slow  # ~400 plans through Hydra (20 s a state); the rule itself: the Toy tests below
 @pytest.mark.parametrize("state", ["built", "without"])
 def test_every_rows_backend_and_kernel_columns_are_as_before(state, monkeypatch):
     if state == "built" and extension.EXTENSION.unavailable() is not None:

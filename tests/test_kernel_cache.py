@@ -12,6 +12,7 @@ so no test here compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -24,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from harness.kernels import cache, extension
+from harness.store.calibration import save
 from tests.conftest import REPO_ROOT
-from tests.hardening_helpers import FAST, MOUNTABLE, cli, seeded, tmpfs  # noqa: F401 (tmpfs: a fixture)
+from tests.hardening_helpers import FAST, MOUNTABLE, cli, fake_calibration, seeded, tmpfs  # noqa: F401 (tmpfs: a fixture)
 
 pytestmark = pytest.mark.skipif(extension.EXTENSION.unavailable() is not None,
                                 reason=f"the kernels cannot be built here: {extension.EXTENSION.unavailable()}")
@@ -278,7 +280,6 @@ def test_the_roofs_take_the_c_linear_only_for_points_that_run_it(tmp_path):
     run with matmul=c measures the roofs again rather than be judged against a roof below its kernel."""
     from harness.measure.roofs import gemv_kernels
     from harness.run import calibrate
-    from tests.hardening_helpers import fake_calibration
 
     assert "c" not in gemv_kernels("cpu", "float32", c_linear=False)
     assert gemv_kernels("cpu", "float32", c_linear=True)[-1] == "c"
@@ -288,7 +289,7 @@ def test_the_roofs_take_the_c_linear_only_for_points_that_run_it(tmp_path):
         requests.append(request)
         return fake_calibration()
 
-    seeded(tmp_path)  # a record without the C linear's rate
+    save(tmp_path, dataclasses.replace(fake_calibration(), read_bandwidth_c_gemv_Bps=None))  # without the C linear's rate
     assert calibrate.ensure(tmp_path, "cpu", "float32", False, run, budget_s=1)[1] is False and not requests
     record, measured = calibrate.ensure(tmp_path, "cpu", "float32", False, run, budget_s=1, c_linear=True)
     assert measured and requests == [("cpu", "float32", 1.0, True)]
