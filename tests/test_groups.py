@@ -48,6 +48,17 @@ def tiny_group():
     return dict(zip(names, measure_group(GroupRequest("g0", points))))
 
 
+def test_the_reference_is_recorded_under_the_name_its_rows_carry():
+    """A reference chosen with an option set is a variant (`contiguous(backend=sdpa)`): group_reference
+    names it as its row's `strategy` does, so a reader finds it by name as by key."""
+    points = tuple(dataclasses.replace(planned_point("model=tiny", *strategy, "ctx=8", "decode_tokens=2", "device=cpu"),
+                                       interleave="shape")
+                   for strategy in (["strategy=int8"], ["strategy=contiguous", "strategy.backend=sdpa"]))
+    assert points[1].strategy.variant == "contiguous(backend=sdpa)"  # the row's `strategy`
+    int8, _ = measure_group(GroupRequest("g1", points))
+    assert int8["group_reference"] == points[1].strategy.variant and int8["group_reference_key"] == points[1].key
+
+
 def test_a_group_times_every_member_in_the_same_rounds(tiny_group):
     ran = {name: row for name, row in tiny_group.items() if row["status"] == "ok"}
     assert set(ran) == {"paged", "contiguous", "no_cache", "quantized"}

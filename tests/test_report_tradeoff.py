@@ -4,6 +4,7 @@ table of bytes, paired speed and accuracy per variant and point, the Pareto fron
 and the plot of both."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from harness.analysis import analytic
@@ -14,7 +15,7 @@ from harness.report import units as fmt
 from harness.report.cohorts import cohorts_of
 from harness.report.document import Figure, to_markdown
 from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, format_section
-from harness.report.tradeoff import Accuracy, FrontPoint, pareto_front
+from harness.report.tradeoff import Accuracy, FrontPoint, pareto_front, reference_series
 from tests.report_fixtures import DECODE_TOKENS, DTYPE, SHAPE, VARIANTS, write_variant_results
 
 FRONT = {"contiguous", "paged32", "int8", "kivi4", "int4"}  # fp8: as many bytes as int8, three times its KL
@@ -107,3 +108,15 @@ def front_point(series: str, bytes_per_token: float, kl: float | None, ctx: int 
 ])
 def test_the_front_keeps_what_nothing_beats_on_both(points, front):
     assert {series for _, series in pareto_front(points)} == front
+
+
+def test_the_recorded_reference_is_found_by_its_key_whatever_its_variant_is_named():
+    """Two exact caches in one group, the reference a variant with an option set (its name is not its
+    class's): the report takes the one the rounds paired against, not the plainer one."""
+    ran = pd.DataFrame({"strategy": ["contiguous(backend=sdpa)", "contiguous", "int8"],
+                        "series": ["contiguous(backend=sdpa)", "contiguous", "int8"],
+                        "point_key": ["k-sdpa", "k-c", "k-int8"], "exact": [True, True, False],
+                        "group_reference": ["contiguous"] * 3, "group_reference_key": ["k-sdpa"] * 3})
+    assert reference_series(ran) == "contiguous(backend=sdpa)"  # the key decides, not a name two rows match
+    older = ran.drop(columns="group_reference_key").assign(group_reference="contiguous(backend=sdpa)")
+    assert reference_series(older) == "contiguous(backend=sdpa)"  # rows without the key: found by name

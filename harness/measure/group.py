@@ -200,7 +200,7 @@ class _GroupRun:
         if reference is None:
             return columns
         partner = self.members[reference].point
-        columns.update(group_reference=partner.strategy.name, group_reference_key=partner.key)
+        columns.update(group_reference=partner.strategy.variant, group_reference_key=partner.key)
         if reference != index:
             ratio = rounds["rounds"].ratio(str(index), str(reference))
             columns.update(ratio_to_reference=ratio.median, ratio_ci_low=ratio.low, ratio_ci_high=ratio.high)

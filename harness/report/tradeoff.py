@@ -123,9 +123,15 @@ def narrow_or_approximate(rows: pd.DataFrame) -> pd.DataFrame:
 
 def reference_series(ran: pd.DataFrame) -> Optional[str]:
     """The exact cache the ratios are against: the group's recorded reference where the rows name one
-    (group_reference), else the plainest exact cache among them (cohorts.plain_cache_strategy)."""
-    if "group_reference" in ran:
+    (its point key, group_reference_key; else its name, group_reference), else the plainest exact cache
+    among them (cohorts.plain_cache_strategy)."""
+    if "group_reference_key" in ran and "point_key" in ran and ran["group_reference_key"].notna().any():
+        named = ran[ran["point_key"].isin(ran["group_reference_key"].dropna().unique())]
+    elif "group_reference" in ran:
         named = ran[ran["strategy"].isin(ran["group_reference"].dropna().unique())]
+    else:
+        named = ran.iloc[:0]
+    if len(named):
         named = named[named["exact"].fillna(False).astype(bool)] if "exact" in named else named
         if named[SERIES].nunique() == 1:
             return str(named[SERIES].iloc[0])
