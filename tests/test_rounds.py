@@ -92,6 +92,28 @@ def test_after_gets_each_timed_result_and_before_prepares_each_call():
     assert len(rounds.seconds["double"]) == 5
 
 
+def test_a_call_before_returns_is_the_one_timed():
+    """A step bound to its input by `before` is timed itself: no wrapper frame around it."""
+    inputs, timed = iter(range(100)), []
+
+    class Timer:
+        method = "recording"
+
+        def time(self, call):
+            timed.append(call)
+            return call(), 1e-3
+
+    def bind():
+        x = next(inputs)
+        return lambda: x * 3
+
+    produced = []
+    rounds = time_rounds({"triple": Step(run=None, before=bind, after=produced.append)},
+                         RoundsOptions(rounds=3, warmup=1, read_contention=False), timer=Timer())
+    assert produced == [3, 6, 9] and rounds.seconds["triple"] == [1e-3] * 3
+    assert [call.__qualname__ for call in timed] == ["test_a_call_before_returns_is_the_one_timed.<locals>.bind.<locals>.<lambda>"] * 3
+
+
 def test_a_callable_that_raises_leaves_the_rounds_with_keep_going_and_ends_them_without():
     calls = {"ok": 0}
 

@@ -15,7 +15,6 @@ import time
 from types import SimpleNamespace
 
 import pandas as pd
-import pytest
 
 from harness.measure import group as measured_group
 from harness.measure.rounds import Step
@@ -104,6 +103,15 @@ def slowed(run, slowdown: float = 1.0):
     return call
 
 
+def slowed_step(step: Step) -> Step:
+    """`step` with every timed call slowed: the call its `before` prepares (a member's step bound to its
+    token), else its own `run`."""
+    def before():
+        prepared = step.before() if step.before is not None else None
+        return slowed(prepared if prepared is not None else step.run)
+    return Step(None, before, step.after)
+
+
 def plant_slow_window(monkeypatch, ctx: int, times: int, probe_only: bool = False) -> list:
     """The group at `ctx` runs slow the first `times` times it is measured: every step (or only the read
     probe) takes twice its own time. Returns the ctx of every group measured, in order."""
@@ -111,7 +119,7 @@ def plant_slow_window(monkeypatch, ctx: int, times: int, probe_only: bool = Fals
 
     def slow_rounds(steps, options, roof, timer):
         if not probe_only:
-            steps = {name: Step(slowed(step.run), step.before, step.after) for name, step in steps.items()}
+            steps = {name: slowed_step(step) for name, step in steps.items()}
         roof_call = slowed(roof) if probe_only else roof
         return real_rounds(steps, options, _Probe(roof_call, roof) if probe_only else roof_call, timer)
 

@@ -12,6 +12,7 @@ raises keeps its failure (`outcome`) and leaves the rounds; the others go on.
 from __future__ import annotations
 
 import traceback
+from typing import Callable
 
 import torch
 
@@ -49,7 +50,6 @@ class Member:
         self.memory: dict = {}  # the member's own peak memory, read over its set-up
         self._graphed: GraphedSteps | None = None  # the captured steps, with timing.cuda_graphs
         self._eager_step = None  # session.step or its compiled form: what an eager round calls
-        self._call = None  # the next timed call, prepared outside the timed region
         self._next_token: torch.Tensor | None = None  # a graph's output token, read after its replay [B]
 
     @property
@@ -114,9 +114,10 @@ class Member:
         decode_tokens - 1), its input token prepared outside the timed call. The first pass over the
         positions generates the tokens; a later pass rewinds the session at position 0 and feeds the
         first pass's tokens again (the same computation), its outputs dropped."""
-        return Step(run=lambda: self._call(), before=self._prepare, after=self._record)
+        return Step(run=None, before=self._prepare, after=self._record)
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> Callable[[], torch.Tensor]:
+        """Rewind where a pass begins, and bind the step to its input token: the call the rounds time."""
         position = self.steps_taken % self.point.decode_tokens
         if self.steps_taken >= self.point.decode_tokens and position == 0:
             self.session.rewind(self.point.ctx)
@@ -124,10 +125,10 @@ class Member:
                 self._graphed.restart()
         token = self.generated[position]
         if self._graphed is not None:
-            self._call, self._next_token = self._graphed.prepare_next(token)
-        else:
-            step = self._eager_step
-            self._call, self._next_token = (lambda: step(token).argmax(-1)), None
+            call, self._next_token = self._graphed.prepare_next(token)
+            return call
+        step, self._next_token = self._eager_step, None
+        return lambda: step(token).argmax(-1)
 
     def _record(self, output) -> None:
         if self.steps_taken < self.point.decode_tokens:  # the first pass: the generated tokens
@@ -137,7 +138,7 @@ class Member:
     def release(self) -> dict:
         """Free the session; returns what only the live session knew (cache bytes)."""
         cache_bytes = self.session.kv_cache_bytes
-        self.session = self._graphed = self._call = None
+        self.session = self._graphed = None
         return {"kv_cache_bytes": cache_bytes}
 
     def tokens(self) -> torch.Tensor:

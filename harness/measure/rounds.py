@@ -61,10 +61,11 @@ class RoundsOptions:
 @dataclass(frozen=True)
 class Step:
     """A callable with untimed work around its timed call: `before` (a rewind, the next input) runs
-    right before it, `after` gets its result (the token it produced)."""
+    right before it, `after` gets its result (the token it produced). A `before` that returns a callable
+    hands over the call to time this once (a step bound to its input), so no wrapper frame is timed."""
 
-    run: Callable[[], object]  # the timed call
-    before: Callable[[], None] | None = None  # untimed, before every call of `run` (warm-up included)
+    run: Callable[[], object] | None  # the timed call; None: the one `before` returns each time
+    before: Callable[[], Callable[[], object] | None] | None = None  # untimed, before every timed call (warm-up included)
     after: Callable[[object], None] | None = None  # untimed, with what `run` returned (warm-up excluded)
 
 
@@ -136,7 +137,8 @@ def time_rounds(steps: Mapping[str, Callable[[], object] | Step], options: Round
                     roof_bytes=getattr(roof, "nbytes", None), roof_kernel=getattr(roof, "kernel", None))
     _warm_up(entrants, options, roof, result)
     slots: list = [*entrants, roof] if roof is not None else list(entrants)
-    before, began, round_index = CpuTimes.now(), time.monotonic(), 0
+    before = CpuTimes.now() if options.read_contention else None
+    began, round_index = time.monotonic(), 0
     while True:
         for _ in range(options.rounds):
             order = range(len(slots)) if options.order == "listed" else rotation(len(slots), round_index)
@@ -171,16 +173,19 @@ def _time_slot(entrant, entrants: dict[str, Step], result: Rounds, options: Roun
         _guarded(entrant, result, options, lambda: _timed(entrants[entrant], entrant, result, timer))
 
 
+def _call_of(step: Step) -> Callable[[], object]:
+    """The call to time now: what `before` prepared, else the step's own."""
+    prepared = step.before() if step.before is not None else None
+    return prepared if prepared is not None else step.run
+
+
 def _untimed(step: Step) -> None:
-    if step.before is not None:
-        step.before()
-    step.run()
+    _call_of(step)()
 
 
 def _timed(step: Step, name: str, result: Rounds, timer: StepTimer) -> None:
-    if step.before is not None:
-        step.before()
-    output, seconds = timer.time(step.run)
+    call = _call_of(step)
+    output, seconds = timer.time(call)
     result.seconds[name].append(seconds)
     if step.after is not None:
         step.after(output)
