@@ -18,17 +18,12 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return CONTIGUOUS_KERNEL.unavailable(device, dtype)
 
 
-def shape_unsupported(group: int, head_dim: int) -> str | None:
-    """Why the kernel cannot take `group` query heads per KV head of width `head_dim`, or None."""
-    return CONTIGUOUS_KERNEL.shape_unsupported(group, head_dim)
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
                      visible: int | None = None) -> torch.Tensor:
     """q [B, n_kv, G, D]; k, v [B, n_kv, S, D] cache tables (rows 0..length-1 are read) -> [B, n_kv, G, D].
 
-    Softmax(q k^T / sqrt(D)) v for one query position per sequence; the caller has checked
-    `unavailable` and `shape_unsupported`. Rows visible.. are still read and multiplied, by an exact 0
+    Softmax(q k^T / sqrt(D)) v for one query position per sequence; the backend rule
+    (strategies.backends) has checked the device, dtype and shape. Rows visible.. are still read and multiplied, by an exact 0
     (None: none): what attention over a whole preallocated table under a mask costs, as `static_full`
     measures. Eager and under torch.compile alike this is one call of the operator, which a compiled
     graph keeps as one opaque kernel.

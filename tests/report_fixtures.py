@@ -6,7 +6,6 @@ can hold: a skipped flash row, a failed row, a corrupt file, a foreign Parquet f
 """
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 

@@ -203,7 +203,7 @@ def test_a_bad_call_says_what_is_wrong():
 def test_other_devices_and_dtypes_are_refused_with_the_reason():
     assert "CPU kernel" in cpu_kernel.unavailable(torch.device("meta"), torch.float32)
     assert "float32" in cpu_kernel.unavailable(CPU, torch.bfloat16)
-    assert "at most 32" in cpu_kernel.shape_unsupported(64, 128)
+    assert "at most 32" in cpu_kernel.CONTIGUOUS_KERNEL.shape_unsupported(64, 128)
 
 
 def test_contiguous_names_the_kernel_it_runs():

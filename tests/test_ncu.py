@@ -19,7 +19,7 @@ from harness.measure.ncu import (
 from harness.measure.ncu_target import run_decode_steps
 from harness.config.point import point_from_record
 from harness.config import Point
-from tests.conftest import planned_point, TINY
+from tests.conftest import planned_point
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ncu_decode_sample.csv"
 # The fixture: 2 decode steps x 3 kernels; reads in Mbyte, writes in Kbyte, some with "," separators.

@@ -11,7 +11,7 @@ from strategies.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.base import StrategyOptionError, StrategyUnavailable
 from strategies.contiguous import ContiguousStrategy
 from strategies.quantization import (
-    CODE_MAX, QuantSpec, dequantize_per_channel, dequantize_per_token, pack_int4, quantize_per_channel,
+    QuantSpec, dequantize_per_channel, dequantize_per_token, pack_int4, quantize_per_channel,
     quantize_per_token, unpack_int4,
 )
 from strategies.quantized import QUANTIZED_KERNEL, QuantizedLayerCache, QuantizedStrategy

@@ -35,7 +35,7 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import (bounded_tree, interpolations_resolve, one_of, positive_float, safe_name,
+from harness.config.validate import (bounded_tree, first_line, interpolations_resolve, one_of, positive_float, safe_name,
                                      target_class, validate_workload)
 
 CONF_DIR = config_dir()
@@ -108,8 +108,7 @@ def compose(overrides: list[str]):
 
 def _one_line(error: Exception) -> str:
     """Hydra's complaint as `<key>: <what is allowed>`, from the error and its cause."""
-    text = str(error)
-    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    first = first_line(error, typed=False)
     unknown = re.match(r"Could not override '([^']+)'", first)
     if unknown:
         key = unknown.group(1)
@@ -117,7 +116,7 @@ def _one_line(error: Exception) -> str:
         return f"{key}: unknown key, allowed: {', '.join(_fields(parent))}"
     merging = re.match(r"Error merging override ([^=]+)=(.*)", first)
     if merging and error.__cause__ is not None:
-        cause = str(error.__cause__).strip().splitlines()[0]
+        cause = first_line(error.__cause__, typed=False)
         return f"{merging.group(1)}: {cause}"
     return first
 

@@ -25,6 +25,7 @@ from harness.analysis import analytic
 from harness.analysis.analytic import Roof
 from harness.analysis.hardware import HardwareError, datasheet_for_device_name, load_hardware
 from harness.config import CacheLayout, ModelConfig
+from harness.config.validate import first_line
 from harness.store import calibration
 
 # Columns a file must have to be read as a harness row (the rest may be missing in older rows).
@@ -60,7 +61,7 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         try:
             frame = pq.read_table(path).to_pandas()
         except Exception as error:  # pyarrow raises several types for a damaged file
-            skipped.append((str(path), f"corrupt Parquet: {_first_line(error)}"))
+            skipped.append((str(path), f"corrupt Parquet: {first_line(error, typed=False)}"))
             continue
         missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
         if missing:
@@ -72,9 +73,6 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     return rows, skipped
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def shape_of(row) -> ModelConfig:
@@ -182,7 +180,7 @@ def add_analytic_columns(rows: pd.DataFrame, results_dir, fallback: str = DEFAUL
             row_roof = roof_for_row(row, folder, fallback)
             figures = predict_row(row, row_roof.roof)
         except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
-            extra.append({"roof_source": "none", "roof_description": f"no prediction: {_first_line(error)}"})
+            extra.append({"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"})
             continue
         extra.append({
             **figures,

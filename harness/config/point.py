@@ -23,6 +23,9 @@ from harness.config.validate import target_class
 # its own, or no column at all (a setting whose effect the row's measured columns state).
 COLUMN = "column"
 NO_COLUMNS = {COLUMN: None}
+# Fields of a point's identity that follow its strategy: the points timed together in one group differ
+# only in these (Point.group_key; harness.run.windows compares groups that differ in them and in ctx).
+FOLLOW_THE_STRATEGY = ("strategy", "matmul", "compile", "reference", "accuracy")
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,7 @@ class Point:
         strategy; and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
         memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds
         cannot cancel, and its long steps would cap the rounds of every cached member beside it."""
-        follow_the_strategy = ("strategy", "matmul", "compile", "reference", "accuracy")
-        shared = {k: v for k, v in self.identity().items() if k not in follow_the_strategy}
+        shared = {k: v for k, v in self.identity().items() if k not in FOLLOW_THE_STRATEGY}
         shared["caches_kv"] = self.strategy.caches_kv
         canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -110,7 +110,7 @@ def target_class(key: str, target: Any, base: Optional[type] = None) -> type:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # ImportError, or whatever the module raised while importing
-        raise ConfigError(key, f"cannot import {text!r}: {_first_line(error)}") from None
+        raise ConfigError(key, f"cannot import {text!r}: {first_line(error)}") from None
     found = getattr(module, attribute, None)
     if not isinstance(found, type):
         raise ConfigError(key, f"cannot import {text!r}: module {module_name!r} has no class {attribute!r}")
@@ -119,9 +119,13 @@ def target_class(key: str, target: Any, base: Optional[type] = None) -> type:
     return found
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException, typed: bool = True) -> str:
+    """An exception in one line: the first line of its message, after its type's name where `typed`
+    (the type alone where it has no message). Every one-line answer of the harness is made here."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if typed else text.splitlines()[0]
 
 
 def _path_text(key: str, value: Any) -> str:

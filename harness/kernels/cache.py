@@ -5,7 +5,7 @@ Loading a library maps it into the process: a truncated file kills the process w
 missing page is touched, corrupted code with SIGILL, neither with a line saying why. So a build is
 trusted only through its stamp (STAMP, written last, after the library is on disk): the build key, and
 the library's size and sha256. `problem` reads the stamp and the library's checksum before anything
-is loaded; a folder without a stamp (a build killed first, or made before stamps were written), with a
+is loaded; a folder without a stamp (a build killed first, or made by a harness that wrote no stamp), with a
 stamp for another key, or whose library does not match its stamp, is never loaded: the caller builds
 it again and says so in one line.
 
@@ -56,7 +56,7 @@ def problem(folder: Path, library: str, key: str) -> str | None:
     try:
         stamp = json.loads((folder / STAMP).read_text())
     except FileNotFoundError:
-        return "unstamped (a build that did not finish, or one made before builds were stamped)"
+        return "unstamped (a build that did not finish, or one made by a harness that wrote no stamp)"
     except (OSError, ValueError) as error:
         return f"stamped unreadably ({error})"
     if not isinstance(stamp, dict) or stamp.get("key") != key:

@@ -60,7 +60,7 @@ def run_decode_steps(point: Point) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m harness.measure.ncu_target '<point identity as JSON>'", file=sys.stderr)
+        print("usage: python -m harness.measure.ncu_target '<point.record() as JSON>'", file=sys.stderr)
         return 2
     run_decode_steps(point_from_record(json.loads(argv[0])))
     return 0

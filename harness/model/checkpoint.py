@@ -236,7 +236,7 @@ def shape_fields(shape: ModelConfig) -> dict[str, Any]:
 
 def parameter_rows(model, shape: ModelConfig) -> dict[str, Any]:
     """Stored name -> the tensor of `model`'s parameters it fills (a row slice of a fused weight)."""
-    d, hd, ffn = shape.d_model, shape.resolved_head_dim, shape.ffn_dim
+    hd, ffn = shape.resolved_head_dim, shape.ffn_dim
     q, kv = shape.n_heads * hd, shape.n_kv_heads * hd
     rows = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
     if not shape.tie_embeddings:

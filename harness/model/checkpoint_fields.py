@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from harness.config import ModelConfig
+from harness.config.validate import first_line
 
 # config.json's `architectures` entry -> its `model_type`: the families the decoder reproduces.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -258,12 +259,9 @@ def json_object(raw: bytes, what: str) -> dict:
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nesting deeper than Python's stack
-        raise CheckpointError(f"{what} is not valid JSON ({_first_line(error)})") from None
+        raise CheckpointError(f"{what} is not valid JSON ({first_line(error, typed=False)})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{what} holds {shown(value)}, not a JSON object")
     return value
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -27,13 +27,16 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import gguf
 import numpy as np
 
 from harness.config import ModelConfig
 from harness.model.checkpoint_fields import CheckpointError, Where
+
+if TYPE_CHECKING:  # the annotations only: torch is imported where a tensor is made (dequantized_tensors)
+    import torch
 
 ARCHITECTURE = "llama"  # general.architecture the decoder reproduces
 # GGML tensor types gguf.quants.dequantize turns into float32 (floats, the legacy block quants, the K-quants).

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from harness.model.checkpoint_fields import CheckpointError
 from harness.model.gguf_file import metadata

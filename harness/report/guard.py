@@ -11,16 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.config.validate import first_line
 from harness.report.document import Block, Heading, Paragraph
 from harness.report.figures import discard_open
 
 NOT_DRAWN = "could not be drawn"  # in every line a fault leaves, so a reader (and a test) can find them
 
 
-def fault(error: BaseException) -> str:
-    """`Type: first line of its message`."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def section(heading: str, build: Callable[[], list[Block]], level: int = 2) -> list[Block]:
@@ -29,7 +26,7 @@ def section(heading: str, build: Callable[[], list[Block]], level: int = 2) -> l
         return build()
     except Exception as error:  # noqa: BLE001 - whatever went wrong, the other sections are still built
         discard_open()
-        return [Heading(heading, level), Paragraph(f"*(this section {NOT_DRAWN}: {fault(error)})*")]
+        return [Heading(heading, level), Paragraph(f"*(this section {NOT_DRAWN}: {first_line(error)})*")]
 
 
 def plot(draw: Callable[[], Optional[Path]]) -> tuple[Optional[Path], Optional[str]]:
@@ -38,4 +35,4 @@ def plot(draw: Callable[[], Optional[Path]]) -> tuple[Optional[Path], Optional[s
         return draw(), None
     except Exception as error:  # noqa: BLE001 - the section's other plots and tables are still drawn
         discard_open()
-        return None, f"*(this plot {NOT_DRAWN}: {fault(error)})*"
+        return None, f"*(this plot {NOT_DRAWN}: {first_line(error)})*"

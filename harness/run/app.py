@@ -36,6 +36,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
 from harness.config import ConfigError, register_schemas  # noqa: E402
+from harness.config.validate import first_line  # noqa: E402
 from harness.run import capacity_search  # noqa: E402
 from harness.run.execute import PROGRESS, clock, measure_groups, measure_planned  # noqa: E402
 from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  # noqa: E402
@@ -111,15 +112,12 @@ def _fault_line(error: BaseException, results_dir: str) -> str:
     cause = error.__cause__ if isinstance(error, SweepStopped) and error.__cause__ else error
     rows = f"{PROGRESS.written} rows"
     if _is_full(error):
-        return (f"error: results_dir is full after {rows} ('{results_dir}': {_one_line(cause)}); every row written "
+        return (f"error: results_dir is full after {rows} ('{results_dir}': {first_line(cause)}); every row written "
                 "is whole: free space and run the same command again to complete the sweep")
-    return (f"error: stopped after {rows} written to '{results_dir}': {_one_line(cause)}; every row written is "
+    return (f"error: stopped after {rows} written to '{results_dir}': {first_line(cause)}; every row written is "
             "whole: fix it and run the same command again to complete the sweep")
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def quiet_launchers(argv: list[str]) -> None:

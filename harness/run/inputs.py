@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from pathlib import Path
 from typing import Optional
 
 import torch

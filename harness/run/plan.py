@@ -38,8 +38,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, interpolations_resolve, output_folder,
-                                     safe_name, validate_run)
+from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, first_line, interpolations_resolve,
+                                     output_folder, safe_name, validate_run)
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
 from harness.run.grouping import form_groups
@@ -277,16 +277,16 @@ def check_point(point: Point) -> None:
         raise ConfigError("strategy._target_", f"{point.strategy.strategy_class}.name is {name!r}, which cannot "
                                                f"name a file; a strategy's name uses {NAME_CHARACTERS}") from None
     row = build_row(point, not_run("skipped", "planned"))
-    for field in SCHEMA:
-        value = row[field.name]
+    for column in SCHEMA:
+        value = row[column.name]
         if value is None or isinstance(value, bool):
             continue
-        if pa.types.is_integer(field.type) and not -INT64_MAX - 1 <= value <= INT64_MAX:
-            key = "model" if field.name == "weight_bytes" else "batch"
-            raise ConfigError(key, f"{point.label()}: the row's {field.name} would be {float(value):.3g}, beyond a "
+        if pa.types.is_integer(column.type) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            key = "model" if column.name == "weight_bytes" else "batch"
+            raise ConfigError(key, f"{point.label()}: the row's {column.name} would be {float(value):.3g}, beyond a "
                                    f"64-bit integer; choose a smaller model, batch, ctx or decode_tokens")
-        if pa.types.is_floating(field.type) and isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError("batch", f"{point.label()}: the row's {field.name} would be {value}; choose smaller sizes")
+        if pa.types.is_floating(column.type) and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError("batch", f"{point.label()}: the row's {column.name} would be {value}; choose smaller sizes")
 
 
 def _check_flags(argv: list[str]) -> None:
@@ -303,7 +303,7 @@ def _parse(parser: OverridesParser, overrides: list[str]):
     try:
         return parser.parse_overrides(overrides)
     except HydraException as error:
-        raise ConfigError("command line", _first_line(error)) from None
+        raise ConfigError("command line", first_line(error, typed=False)) from None
 
 
 def _check_hydra_keys(parsed) -> None:
@@ -378,21 +378,18 @@ def _missing_option(error: MissingConfigException) -> ConfigError:
     allowed = [o for o in (error.options or []) if not o.endswith("_schema")]
     if group and allowed:
         return ConfigError(group, f"unknown option '{option}', allowed: {', '.join(sorted(allowed))}")
-    return ConfigError(group or "config", _first_line(error))
+    return ConfigError(group or "config", first_line(error, typed=False))
 
 
 def _composition_error(error: Exception) -> ConfigError:
     """Hydra/OmegaConf composition errors as one line naming the key."""
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
-    message = _first_line(cause)
+    message = first_line(cause, typed=False)
     if "is not in struct" in str(cause) or "Could not override" in str(error):
-        message = f"unknown key ({_first_line(error)})"
+        message = f"unknown key ({first_line(error, typed=False)})"
     elif "could not be converted" in message or "Value '" in message:
         message = f"wrong type: {message}"
     return ConfigError(str(key) if key else "config", message)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

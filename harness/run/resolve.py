@@ -18,8 +18,7 @@ from harness.config import AccuracyConfig, ConfigError, Point, StrategyChoice, T
 from harness.config.texts import is_builtin_text
 from harness.measure.ncu import NCU_ENV, ncu_executable
 from harness.model import cpu_gemv
-from harness.model.cpu_linear import onednn_supports
-from harness.model.cpu_linear import resolve_matmul as resolved_matmul
+from harness.model.cpu_linear import onednn_supports, resolve_matmul
 from harness.model.factory import BIAS_FREE_MATMULS
 from harness.run.catalog import strategy_class
 from harness.run.inputs import accuracy_reference, checkpoint_shape, prompt_source
@@ -29,8 +28,6 @@ DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 
 
 def cuda_available() -> bool:
-    import torch  # imported here: resolving `auto` is the only reason the parent process needs torch
-
     return torch.cuda.is_available()
 
 
@@ -59,7 +56,7 @@ def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool 
         raise ConfigError("matmul", f"c is a CPU float32 kernel; this point is {dtype} on {device}; allowed: auto, aten")
     if matmul == "c" and (reason := cpu_gemv.unavailable()):
         raise ConfigError("matmul", f"c cannot run here ({reason}); allowed: auto, aten")
-    return resolved_matmul(matmul, device, dtype, batch)
+    return resolve_matmul(matmul, device, dtype, batch)
 
 
 def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,

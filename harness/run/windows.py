@@ -30,13 +30,14 @@ import logging
 import statistics
 from dataclasses import dataclass
 
+from harness.config.point import FOLLOW_THE_STRATEGY
 from harness.store.files import write_row
 
 log = logging.getLogger("harness")
 
 SLOW_LIMIT = 1.4  # a window this many times slower than the other groups predict is flagged
 REMEASURE_SHARE = 0.25  # second measurements beyond the first stay within this share of the job's time
-NOT_SHAPE = ("strategy", "matmul", "compile", "reference", "ctx", "repeat")  # what comparable groups may differ in
+NOT_SHAPE = (*FOLLOW_THE_STRATEGY, "ctx", "repeat")  # what comparable groups may differ in
 
 
 @dataclass

@@ -83,8 +83,8 @@ static __attribute__((noinline)) void attend_generic(const float *q, const kv_ro
 }
 
 /* One (sequence, KV head), its rows found through `rows`: out[g] = softmax(scale * q[g] . K^T) V over
- * keys 0..length-1, keys visible.. weighted 0. Inlined into the kernels' task loops, as the fixed-width
- * path was before it was shared (an out-of-line call measured 1-3% slower at head_dim 64). */
+ * keys 0..length-1, keys visible.. weighted 0. Inlined into the kernels' task loops: an out-of-line call
+ * measured 1-3% slower at head_dim 64. */
 static inline __attribute__((always_inline)) void attend_pair(const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length,
                                int64_t visible, int64_t dim, float scale) {
     if (dim == 64)
