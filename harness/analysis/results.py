@@ -73,8 +73,6 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     return rows, skipped
 
 
-
-
 def shape_of(row) -> ModelConfig:
     """The decoder shape recorded in a row."""
     return ModelConfig(

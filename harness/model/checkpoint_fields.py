@@ -263,5 +263,3 @@ def json_object(raw: bytes, what: str) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{what} holds {shown(value)}, not a JSON object")
     return value
-
-

@@ -18,8 +18,6 @@ from harness.report.figures import discard_open
 NOT_DRAWN = "could not be drawn"  # in every line a fault leaves, so a reader (and a test) can find them
 
 
-
-
 def section(heading: str, build: Callable[[], list[Block]], level: int = 2) -> list[Block]:
     """build()'s blocks, or the section's heading and one line naming the fault that stopped it."""
     try:

@@ -154,10 +154,11 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
     where no such cache ran or no exact cache stands as the reference."""
     ran = ran_rows(group)
     reference = reference_series(ran)
-    if reference is None or narrow_or_approximate(ran).empty:
+    narrow = narrow_or_approximate(ran)
+    if reference is None or narrow.empty:
         return []
     cached = cached_rows(ran)
-    points = set(zip(narrow_or_approximate(ran)["batch"], narrow_or_approximate(ran)["ctx"]))
+    points = set(zip(narrow["batch"], narrow["ctx"]))
     found = []
     for _, row in cached.iterrows():
         if (row["batch"], row["ctx"]) not in points:

@@ -118,8 +118,6 @@ def _fault_line(error: BaseException, results_dir: str) -> str:
             "whole: fix it and run the same command again to complete the sweep")
 
 
-
-
 def quiet_launchers(argv: list[str]) -> None:
     """Hydra's launchers log two lines per job (`Launching 1 jobs locally`, `#0 : <overrides>`) before
     every progress line of ours, which says the same; they are kept for `hydra.verbose`."""

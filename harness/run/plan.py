@@ -391,5 +391,3 @@ def _composition_error(error: Exception) -> ConfigError:
     elif "could not be converted" in message or "Value '" in message:
         message = f"wrong type: {message}"
     return ConfigError(str(key) if key else "config", message)
-
-
