@@ -162,7 +162,8 @@ def test_a_tensor_type_the_library_does_not_know(written, tmp_path):
     at += 4 + 8 * int.from_bytes(data[at : at + 4], "little")
     path = tmp_path / "unknown.gguf"
     path.write_bytes(data[:at] + (999).to_bytes(4, "little") + data[at + 4 :])
-    assert "999) is not a valid GGMLQuantizationType" in refused(f"model.checkpoint={path}")
+    assert "tensor 'blk.0.attn_q.weight' has type 999, which the gguf library does not know" in refused(
+        f"model.checkpoint={path}")
 
 
 def test_a_missing_tensor(weights, tmp_path):
@@ -184,9 +185,10 @@ def test_metadata_the_decoder_does_not_take(weights, tmp_path, fields, says):
     assert says in refused(f"model.checkpoint={path}")
 
 
-def test_rope_frequency_factors(weights, tmp_path):
+def test_rope_frequency_factors_of_one_scale_nothing(weights, tmp_path):
+    """Llama 3.1's factors are read (tests/test_gguf_rope.py); factors of 1 leave RoPE as it is."""
     path = write_gguf(tmp_path / "llama31.gguf", {**weights, "rope_freqs.weight": np.ones(8, np.float32)})
-    assert "rope_freqs" in refused(f"model.checkpoint={path}")
+    assert read_checkpoint(path).shape.rope_scaling is None
 
 
 def test_a_package_that_is_not_installed():

@@ -45,9 +45,9 @@ class ModelConfig:
     attention_bias: bool = field(default=False, metadata=OPTIONAL_IN_KEY)
     # the output head is the embedding table (tie_word_embeddings)
     tie_embeddings: bool = field(default=False, metadata=OPTIONAL_IN_KEY)
-    # None, or llama3: Llama 3.1's frequency-dependent RoPE stretch
+    # None; linear: every position divided by rope_scaling_factor; llama3: Llama 3.1's frequency-dependent stretch
     rope_scaling: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
-    # llama3: how far low frequencies are stretched (factor)
+    # linear: the positions' divisor; llama3: how far low frequencies are stretched (factor)
     rope_scaling_factor: float = field(default=1.0, metadata=OPTIONAL_IN_KEY)
     # llama3: wavelengths above original_max_len / this are stretched in full
     rope_low_freq_factor: float = field(default=1.0, metadata=OPTIONAL_IN_KEY)

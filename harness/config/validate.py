@@ -28,7 +28,7 @@ TRAFFIC_SOURCES = ("auto", "model", "ncu")
 MATMUL_KERNELS = ("auto", "aten", "onednn", "c")
 COMPILE_MODES = ("none", "inductor")  # harness.measure.compiled
 SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
-ROPE_SCALINGS = ("llama3",)  # model.rope_scaling besides null (harness.model.decoder)
+ROPE_SCALINGS = ("llama3", "linear")  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
 ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
@@ -225,12 +225,14 @@ def validate_model(model) -> None:
 
 
 def validate_rope_scaling(model) -> None:
-    """Llama 3.1's RoPE scaling (harness.model.decoder.rope_inverse_frequencies), where asked for."""
+    """Linear or Llama 3.1's RoPE scaling (harness.model.decoder.rope_inverse_frequencies), where asked for."""
     scaling = model.get("rope_scaling")
     if scaling is None:
         return
     one_of("model.rope_scaling", scaling, ROPE_SCALINGS)
     positive_float("model.rope_scaling_factor", model.rope_scaling_factor)
+    if scaling == "linear":
+        return
     positive_float("model.rope_low_freq_factor", model.rope_low_freq_factor)
     positive_float("model.rope_high_freq_factor", model.rope_high_freq_factor)
     positive_int("model.rope_original_max_len", model.rope_original_max_len, at_most=2**31 - 1)

@@ -148,7 +148,7 @@ def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Whe
 
 
 # RoPE's fields: transformers 5's `rope_parameters`, 4's `rope_scaling` (theta then at the top level).
-ROPE_TYPES = ("default", "llama3")  # the variants harness.model.decoder.RotaryTable computes
+ROPE_TYPES = ("default", "linear", "llama3")  # the variants harness.model.decoder.RotaryTable computes
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_FIELDS = (
     Field("rope_type", "text", None, allowed=ROPE_TYPES),
@@ -232,6 +232,10 @@ def _rope(config: dict, where: Where) -> dict:
     kind = parameters.get("rope_type") or parameters.get("type") or "default"
     if kind == "default":
         return {"rope_theta": theta}
+    if kind == "linear":
+        if parameters["factor"] is None:
+            raise CheckpointError(f"{where(f'{key}.factor')} is missing: linear RoPE scaling needs it")
+        return {"rope_theta": theta, "rope_scaling": "linear", "rope_scaling_factor": parameters["factor"]}
     for field in LLAMA3_FIELDS:
         if parameters[field] is None:
             raise CheckpointError(f"{where(f'{key}.{field}')} is missing: llama3 RoPE scaling needs it")

@@ -35,12 +35,14 @@ class RMSNorm(nn.Module):
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Optional[ModelConfig] = None) -> torch.Tensor:
     """The rotation rate of each dimension pair [D/2], in float64: theta ** (-2i / D), and with
-    `scaling.rope_scaling == "llama3"` Llama 3.1's stretch (transformers' _compute_llama3_parameters):
+    `scaling.rope_scaling == "linear"` every rate divided by `factor`, with "llama3" Llama 3.1's stretch (transformers' _compute_llama3_parameters):
     wavelengths longer than original_max_len / low_freq_factor are slowed by `factor`, those shorter
     than original_max_len / high_freq_factor kept, and the ones between blended smoothly."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [D/2]
     if scaling is None or scaling.rope_scaling is None:
         return inv_freq
+    if scaling.rope_scaling == "linear":  # every position divided by `factor` (transformers' and llama.cpp's linear)
+        return inv_freq / scaling.rope_scaling_factor
     factor, original = scaling.rope_scaling_factor, scaling.rope_original_max_len
     low, high = scaling.rope_low_freq_factor, scaling.rope_high_freq_factor
     wavelength = 2 * math.pi / inv_freq

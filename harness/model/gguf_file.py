@@ -33,7 +33,8 @@ import gguf
 import numpy as np
 
 from harness.config import ModelConfig
-from harness.model.checkpoint_fields import CheckpointError, Where
+from harness.model import gguf_rope, gguf_scan
+from harness.model.checkpoint_fields import CheckpointError, Where, shown
 
 if TYPE_CHECKING:  # the annotations only: torch is imported where a tensor is made (dequantized_tensors)
     import torch
@@ -52,9 +53,11 @@ CONFIG_KEYS = {
 # Keys (after "llama.") whose presence, with a value other than these, names what the decoder lacks.
 UNSUPPORTED_KEYS = {
     "expert_count": ((0,), "a mixture of experts"),
-    "rope.scaling.type": (("none",), "RoPE scaling"),
+    "rope.scaling.type": (("none", "linear"), "RoPE scaling of a kind the decoder does not compute (it has linear)"),
+    "rope.scaling.attn_factor": ((1.0,), "RoPE with scaled attention (YaRN's)"),
     "attention.sliding_window": ((0,), "sliding-window attention"),
 }
+ROPE_FACTOR_KEYS = ("rope.scaling.factor", "rope.scale_linear")  # linear scaling's factor, llama.cpp's key then its legacy one
 HEAD_WIDTH_KEYS = ("rope.dimension_count", "attention.value_length")  # each, where present, is the heads' width
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, stored as per-frequency factors
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -107,6 +110,7 @@ def reader(path: Path) -> gguf.GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: Path, _stamp: tuple) -> gguf.GGUFReader:
+    gguf_scan.scan(path)  # every declared count and length bounded by the file before the library reads one
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as error:
@@ -138,23 +142,39 @@ def read_gguf(path: Path) -> GGUFContents:
             raise CheckpointError(f"'{path}': tensor {tensor.name} is stored as {kind}; allowed: "
                                   f"{', '.join(DEQUANTIZED_TYPES)}")
         tensors[hf_name(tensor.name)] = (kind, _stored_shape(tensor))
-    if ROPE_FACTORS in tensors:
-        raise CheckpointError(f"'{path}' stores RoPE frequency factors ({ROPE_FACTORS}, Llama 3.1's RoPE scaling), "
-                              "which the decoder does not read from GGUF; use the model's Hugging Face format folder")
     for key, (neutral, what) in UNSUPPORTED_KEYS.items():
         value = metadata(path, f"{ARCHITECTURE}.{key}")
         if value is not None and value not in neutral:
-            raise CheckpointError(f"'{path}': {ARCHITECTURE}.{key} = {value!r} makes it {what}, which the decoder "
+            raise CheckpointError(f"'{path}': {ARCHITECTURE}.{key} = {shown(value)} makes it {what}, which the decoder "
                                   "does not run")
     config = {field: metadata(path, f"{ARCHITECTURE}.{key}") for field, key in CONFIG_KEYS.items()}
+    factors = tensors.pop(ROPE_FACTORS, None)  # not a decoder weight: it becomes the shape's rope_scaling
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config["head_dim"] or (width // heads if type(heads) is int and type(width) is int and heads > 0 else None)
+    factor = next((value for key in ROPE_FACTOR_KEYS if (value := metadata(path, f"{ARCHITECTURE}.{key}")) is not None), None)
+    config["rope_scaling"] = gguf_rope.rope_scaling(
+        path, metadata(path, f"{ARCHITECTURE}.rope.scaling.type"), factor,
+        None if factors is None else _rope_factors(found), config["rope_theta"] or 10000.0, head_dim)
     if config["vocab_size"] is None and "model.embed_tokens.weight" in tensors:  # older exports leave it out
         config["vocab_size"] = tensors["model.embed_tokens.weight"][1][0]
     config.update(architectures=["LlamaForCausalLM"], model_type="llama",
                   tie_word_embeddings="lm_head.weight" not in tensors)  # no output tensor: the head is the embedding
     with open(path, "rb") as f:
         header = f.read(int(found.data_offset))
-    return GGUFContents(config=config, where=lambda field: f"'{path}': {ARCHITECTURE}.{CONFIG_KEYS.get(field, field)}",
-                        tensors=tensors, header=header)
+    return GGUFContents(config=config, where=lambda field: f"'{path}': {_key(field)}", tensors=tensors, header=header)
+
+
+def _key(field: str) -> str:
+    """How a message names a config.json field: its GGUF key, or for rope_scaling's what it came from."""
+    if field.startswith("rope_scaling"):
+        return f"{ARCHITECTURE}.rope.scaling.factor / {ROPE_FACTORS} (as {field})"
+    return f"{ARCHITECTURE}.{CONFIG_KEYS.get(field, field)}"
+
+
+def _rope_factors(found: gguf.GGUFReader) -> np.ndarray:
+    """The stored RoPE frequency factors [D/2], float64 (a few hundred bytes, read while the plan reads metadata)."""
+    tensor = next(t for t in found.tensors if t.name == ROPE_FACTORS)
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
 
 
 def check_heads(path: Path, shape: ModelConfig) -> None:
