@@ -106,10 +106,12 @@ def quantized(values: np.ndarray, kind: Q) -> np.ndarray:
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], kind: Q = Q.F32, architecture: str = "llama",
-               metadata: Optional[dict] = None, leave_out: tuple[str, ...] = (), tokenizer: Optional[str] = "gpt2") -> Path:
+               metadata: Optional[dict] = None, leave_out: tuple[str, ...] = (), tokenizer: Optional[str] = "gpt2",
+               tokenizer_metadata: Optional[dict] = None) -> Path:
     """`weights` (Hugging Face names, float32) as a GGUF file: 2-D tensors stored as `kind`, norms as F32,
     q and k permuted; `metadata` adds or replaces keys after "<architecture>." (None removes one);
-    `tokenizer`: gpt2 (byte_level_vocab), llama (sentencepiece_vocab) or None."""
+    `tokenizer`: gpt2 (byte_level_vocab), llama (sentencepiece_vocab) or None; `tokenizer_metadata` adds
+    or replaces keys after "tokenizer.ggml." (None removes one), typed as `typed_value` says."""
     heads, kv_heads = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     fields = {"block_count": CONFIG["num_hidden_layers"], "context_length": 2048, "embedding_length": CONFIG["hidden_size"],
@@ -123,24 +125,20 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], kind: Q = Q.F32, arch
             writer.add_key_value(f"{architecture}.{key}", value,
                                  gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else
                                  gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32)
+    fields: dict = {}
     if tokenizer == "gpt2":
         tokens, merges = byte_level_vocab()
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types([3 if token.startswith("<|") else 1 for token in tokens])
-        writer.add_token_merges(merges)
-        writer.add_bos_token_id(0)
-        writer.add_eos_token_id(0)
+        fields = {"pre": "default", "tokens": tokens, "token_type": [3 if token.startswith("<|") else 1 for token in tokens],
+                  "merges": merges, "bos_token_id": 0, "eos_token_id": 0}
     elif tokenizer == "llama":
         tokens, scores, types = sentencepiece_vocab()
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        fields = {"tokens": tokens, "scores": scores, "token_type": types, "unknown_token_id": 0, "bos_token_id": 1,
+                  "eos_token_id": 2}
     if tokenizer:
-        writer.add_tokenizer_model(tokenizer)
+        fields["model"] = tokenizer
+    for key, value in {**fields, **(tokenizer_metadata or {})}.items():
+        if value is not None:
+            writer.add_key_value(f"tokenizer.ggml.{key}", value, *typed_value(value))
     for name, values in weights.items():
         if name in leave_out:
             continue
@@ -157,6 +155,19 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], kind: Q = Q.F32, arch
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def typed_value(value) -> tuple:
+    """(GGUF value type, entry type) GGUFWriter writes `value` as: a negative int as INT32, a list by its
+    first entry's type."""
+    T = gguf.GGUFValueType
+    if isinstance(value, list):
+        return T.ARRAY, typed_value(value[0])[0] if value else T.UINT32
+    if isinstance(value, bool):
+        return T.BOOL, None
+    if isinstance(value, int):
+        return (T.INT32 if value < 0 else T.UINT32), None
+    return {float: T.FLOAT32, str: T.STRING}[type(value)], None
 
 
 def write_folder(folder: Path, weights: dict[str, np.ndarray]) -> Path:

@@ -37,7 +37,7 @@ SIZE_MAX = 2**31 - 1  # a width or a count: what harness.config.validate allows 
 LAYERS_MAX = 10_000  # decoder blocks: far beyond any model (Llama 3.1 405B has 126); bounds the tensor list built
 JSON_MAX_BYTES = 16 * 2**20  # config.json or an index: kilobytes to a few MiB (a 405B model's index is ~100 KiB)
 SHOWN_CHARACTERS = 60  # of a refused value in a message: enough to recognise it, one line whatever it holds
-KINDS = ("integer", "number", "bool", "text", "texts", "integers", "object")
+KINDS = ("integer", "number", "bool", "text", "texts", "integers", "numbers", "object")
 Where = Callable[[str], str]  # a field's name -> how a message names it: "'<file>': <key>"
 
 
@@ -59,12 +59,13 @@ class Field:
 
     name: str  # the key (config.json's name; a nested object's fields: the key within it)
     kind: str  # one of KINDS: integer (JSON integer), number (integer or float), bool, text (a string),
-    #            texts (a non-empty list of strings), integers (a list of integers), object (its own fields)
+    #            texts (a non-empty list of strings), integers (a list of integers), numbers (a list of
+    #            finite numbers), object (its own fields)
     default: Any = REQUIRED  # the value when the key is absent or null; REQUIRED: it must be given
     low: float = 1  # integer, integers: the smallest allowed; number: allowed only above it
     high: float = SIZE_MAX  # integer, integers, number: the largest allowed (a number: math.inf for no bound)
     allowed: tuple = ()  # text, bool, texts' entries: the only values accepted (empty: any)
-    length: Optional[int] = None  # integers: the exact number of entries (None: any)
+    length: Optional[int] = None  # integers, numbers: the exact number of entries (None: any)
     fields: tuple["Field", ...] = ()  # object: its own fields (none: the object as it is, for its reader to check)
 
     def __post_init__(self):
@@ -83,7 +84,8 @@ class Field:
                 "bool": "true or false (a JSON bool)",
                 "text": "a string",
                 "texts": "a non-empty list of strings",
-                "integers": f"a list of{'' if self.length is None else f' {self.length}'} JSON integers, each {bounds}",
+                "integers": f"a list of{'' if self.length is None else f' {self.length:,}'} JSON integers, each {bounds}",
+                "numbers": f"a list of{'' if self.length is None else f' {self.length:,}'} finite numbers",
                 "object": "a JSON object"}[self.kind]
 
     def accepts(self, value: Any) -> bool:
@@ -95,6 +97,9 @@ class Field:
         if self.kind == "integers":
             return (isinstance(value, list) and (self.length is None or len(value) == self.length)
                     and all(_integer(v) and self.low <= v <= self.high for v in value))
+        if self.kind == "numbers":
+            return (isinstance(value, list) and (self.length is None or len(value) == self.length)
+                    and all(_number(v) and math.isfinite(v) for v in value))
         if self.kind == "texts":
             return (isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
                     and (not self.allowed or all(v in self.allowed for v in value)))
