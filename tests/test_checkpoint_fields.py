@@ -48,7 +48,7 @@ def refused(folder, **changes) -> str:
     ("rope_scaling", [8.0], "rope_scaling must be a JSON object, got [8.0]"),
     ("rope_scaling", 8, "rope_scaling must be a JSON object, got 8"),
     ("rope_scaling", {"rope_type": "llama3", "factor": "8"}, "rope_scaling.factor must be a finite number above 0"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type must be one of: default, llama3"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type must be one of: default, linear, llama3"),
     ("rope_scaling", {"rope_type": "llama3"}, "rope_scaling.factor is missing"),
     ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                          "original_max_position_embeddings": 32}, "high_freq_factor must be above"),

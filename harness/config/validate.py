@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config.texts import is_builtin_text
-from harness.config.paths import LocationError, checkpoint_location
+from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -40,11 +40,24 @@ CALIBRATION_BUDGET_MAX_S = 24 * 3600  # a day: beyond that a budget bounds nothi
 NAME_CHARACTERS = "letters, digits, '_', '-' and '.'"  # names become part of file names
 
 
+LINE_MAX = 1000  # characters of a one-line answer: a value quoted from a file or the command line is clipped to fit
+
+
+def clipped(text: str, most: int = LINE_MAX) -> str:
+    """`text` on one line of at most `most` characters: its head and its tail (which says what is allowed)
+    kept, the middle of a long quoted value left out."""
+    text = " ".join(text.splitlines())
+    if len(text) <= most:
+        return text
+    tail = most // 4
+    return f"{text[: most - tail - 5]} ... {text[-tail:]}"
+
+
 class ConfigError(ValueError):
-    """A bad configuration value. str() is the one line shown to the user."""
+    """A bad configuration value. str() is the one line shown to the user (`clipped`)."""
 
     def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
+        super().__init__(clipped(f"{key}: {message}"))
         self.key = key
 
 
@@ -125,7 +138,8 @@ def first_line(error: BaseException, typed: bool = True) -> str:
     text = str(error).strip()
     if not text:
         return type(error).__name__
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if typed else text.splitlines()[0]
+    line = clipped(text.splitlines()[0])
+    return f"{type(error).__name__}: {line}" if typed else line
 
 
 def _path_text(key: str, value: Any) -> str:
@@ -148,17 +162,16 @@ def input_file(key: str, value: Any) -> Path:
 
 
 def _existing(key: str, value: Any, folder: bool) -> Path:
-    path = Path(_path_text(key, value))
+    text = _path_text(key, value)
     try:
+        path = expanded(text)
         found = path.is_dir() if folder else path.is_file()
+    except LocationError as error:
+        raise ConfigError(key, str(error)) from None
     except OSError as error:
-        raise ConfigError(key, f"cannot read '{path}': {error.strerror}") from None
+        raise ConfigError(key, f"cannot read '{text}': {error.strerror or first_line(error)}") from None
     if not found:
-        if path.exists():
-            what = "a file, not a folder" if folder else "a folder, not a file"
-        else:
-            what = "no folder" if folder else "no file"
-        raise ConfigError(key, f"'{path}' is {what}")
+        raise ConfigError(key, f"'{text}' is {kind_of(path)}, not {'a folder' if folder else 'a file'}")
     return path
 
 
@@ -168,13 +181,15 @@ def checkpoint_path(key: str, value: Any) -> Path:
     harness.model.checkpoint's to check."""
     try:
         path = checkpoint_location(_path_text(key, value))
+        kind = kind_of(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
-    if not path.exists():
-        raise ConfigError(key, f"'{path}' is no folder or file")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ConfigError(key, f"'{path}' is a file, and not a .gguf one: name a Hugging Face format folder or a GGUF file")
-    return path if path.is_file() else _existing(key, str(path), folder=True)
+    except OSError as error:
+        raise ConfigError(key, f"cannot read '{value}': {error.strerror or first_line(error)}") from None
+    if kind == "a file" and path.suffix == ".gguf" or kind == "a folder":
+        return path
+    raise ConfigError(key, f"'{path}' is {kind}{', not a .gguf one' if kind == 'a file' else ''}: name a Hugging Face "
+                           "format folder or a GGUF file")
 
 
 def output_folder(key: str, value: Any) -> Path:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from harness.config.paths import expanded, kind_of
 from harness.config.texts import builtin_text, is_builtin_text
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
@@ -74,7 +75,7 @@ def content_hash(source: str | Path, tokenizer: Optional[Path]) -> str:
         if tokenizer is not None:
             digest.update(_tokenizer_fingerprint(tokenizer))
         return digest.hexdigest()[:16]
-    path = Path(source).expanduser().resolve()
+    path = expanded(str(source)).resolve()
     size = path.stat().st_size
     digest = hashlib.sha256(f"{size}\0".encode())
     with open(path, "rb") as f:
@@ -97,9 +98,9 @@ def read_tokens(path: str | Path, tokenizer: Optional[Path], limit: Optional[int
     `limit`), [rows, N] for rows. Cached per file, its size and time, the tokenizer and the limit."""
     if is_builtin_text(path):
         return _builtin_tokens(str(path), tokenizer, tokenizer.stat().st_mtime_ns if tokenizer else 0)[:limit]
-    file = Path(path).expanduser().resolve()
+    file = expanded(str(path)).resolve()
     if not file.is_file():
-        raise PromptError(f"'{path}' is {'a folder, not a file' if file.exists() else 'no file'}")
+        raise PromptError(f"'{path}' is {kind_of(file)}, not a file of prompts")
     stat = file.stat()
     stamp = (stat.st_size, stat.st_mtime_ns, str(tokenizer), tokenizer.stat().st_mtime_ns if tokenizer else 0)
     return _read_tokens(file, tokenizer, limit, stamp)
@@ -213,7 +214,7 @@ def tokenizer_of(checkpoint: Optional[str]) -> Optional[Path]:
     holds one); None without a checkpoint or a tokenizer."""
     if not checkpoint:
         return None
-    path = Path(checkpoint).expanduser()
+    path = expanded(checkpoint)
     path = path if path.suffix == ".gguf" else path / "tokenizer.json"
     return path.resolve() if path.is_file() else None
 

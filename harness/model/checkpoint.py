@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config import ModelConfig
-from harness.config.paths import LocationError, checkpoint_location
+from harness.config.paths import LocationError, checkpoint_location, kind_of
 from harness.model import gguf_file
 from harness.model.checkpoint_fields import CheckpointError, config_shape, read_json_object, shown
 from harness.model.safetensors_header import INDEX, read_header, weight_files
@@ -102,8 +102,7 @@ def read_checkpoint(location: str | Path) -> Checkpoint:
     if path.is_file() and path.suffix == ".gguf":
         return _read_gguf(path, (path.stat().st_size, path.stat().st_mtime_ns))
     if not path.is_dir():
-        what = "a file, neither a folder nor a .gguf file" if path.exists() else "no folder or file"
-        raise CheckpointError(f"'{location}' is {what}")
+        raise CheckpointError(f"'{location}' is {kind_of(path)}; allowed: a Hugging Face format folder or a .gguf file")
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
     return _read_checkpoint(path, stamp)
 

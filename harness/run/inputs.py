@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -27,8 +28,8 @@ from omegaconf import OmegaConf
 
 from harness.analysis.analytic import dtype_bytes
 from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
-from harness.config.paths import config_dir
-from harness.config.validate import validate_model
+from harness.config.paths import LocationError, config_dir
+from harness.config.validate import first_line, validate_model
 from harness.measure.memory import available_bytes
 from harness.measure.prompts import (PromptError, accuracy_tokens_needed, accuracy_windows, content_hash,
                                      file_windows, read_tokens, tokenizer_of, window_tokens)
@@ -56,12 +57,8 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
     """The shape of `model.checkpoint` (its name as the module docstring says), its content hash and its
     weights_description; ConfigError on `model.checkpoint` for a checkpoint the decoder cannot load or
     memory cannot hold."""
-    try:
+    with input_boundary("model.checkpoint", model.checkpoint):
         checkpoint = read_checkpoint(model.checkpoint)
-    except CheckpointError as error:
-        raise ConfigError("model.checkpoint", str(error)) from None
-    except OSError as error:
-        raise ConfigError("model.checkpoint", f"cannot read '{model.checkpoint}': {error.strerror or error}") from None
     preset = (config_dir() / "model" / f"{model.name}.yaml").is_file()
     shape = dataclasses.replace(model, **shape_fields(checkpoint.shape),
                                 name=checkpoint.shape.name if preset else model.name)
@@ -85,21 +82,36 @@ def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx
     ConfigError on `prompt` or `accuracy.tokens` otherwise."""
     if prefill != "compute":
         raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
-    tokenizer = tokenizer_of(shape.checkpoint)
-    try:
+    with input_boundary("prompt", source):
+        tokenizer = tokenizer_of(shape.checkpoint)
         file_windows(source, tokenizer, batch, window_tokens(ctx, decode_tokens), shape.vocab_size)
         found = content_hash(source, tokenizer)
-    except PromptError as error:
-        raise ConfigError("prompt", str(error)) from None
-    except OSError as error:
-        raise ConfigError("prompt", f"cannot read '{source}': {error.strerror or error}") from None
     if accuracy is not None:
-        try:
+        with input_boundary("accuracy.tokens", source):
             ids = read_tokens(source, tokenizer, limit=accuracy_tokens_needed(ctx, accuracy.tokens))
             accuracy_windows(ids, ctx, accuracy.steps, accuracy.tokens, shape.vocab_size, f"'{source}'")
-        except PromptError as error:
-            raise ConfigError("accuracy.tokens", str(error)) from None
     return found
+
+
+@contextmanager
+def input_boundary(key: str, source: object):
+    """Where a file the user named is read: whatever is raised becomes a ConfigError on `key`, one line
+    naming the file. The readers' own refusals (CheckpointError, PromptError, ConfigError) say what is
+    allowed; anything else (a library's exception on a file it was not written for, a file name the
+    system refuses, JSON nested past Python's stack) is said as it was raised, with its type, never as
+    a traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (CheckpointError, PromptError, LocationError) as error:
+        raise ConfigError(key, str(error)) from None
+    except OSError as error:
+        raise ConfigError(key, f"cannot read '{source}': {error.strerror or first_line(error)}") from None
+    except RecursionError:
+        raise ConfigError(key, f"'{source}' nests deeper than can be read") from None
+    except Exception as error:  # noqa: BLE001 - the input boundary: one line, whatever a reader raised
+        raise ConfigError(key, f"'{source}' cannot be read: {first_line(error)}") from None
 
 
 @functools.cache
