@@ -75,8 +75,8 @@ def kind_of(path: Path) -> str:
     """What is at `path`, as a message says it: a folder, a file, a FIFO, a device, ... or nothing."""
     try:
         mode = path.stat().st_mode
-    except OSError:
-        return "missing (no such file or folder)"
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing (no such file or folder)"  # another OSError (a name too long) is the caller's to say
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO (a named pipe)"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((what for test, what in kinds if test(mode)), "neither a file nor a folder")

@@ -93,7 +93,8 @@ class AccuracyConfig:
     logits are scored. Exact strategies run no pass."""
 
     tokens: int = 1024  # tokens scored per point, whatever decode_tokens is: windows x steps
-    # decode steps per window, each scoring one token; windows' scored tokens never overlap (their prompts may)
+    # decode steps per window, each scoring one token; windows' scored tokens never overlap (their prompts may);
+    # a point takes at most `tokens` of them (harness.run.resolve): a step past the tokens scored would score nothing
     steps: int = 64
     batch: int = 16  # windows run together as one batch (a chunk); bounds the pass's memory
 

@@ -274,6 +274,7 @@ def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
 
 
+
 def interpolations_resolve(cfg, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
     """Every `${...}` of a composed config resolves, each to a value of its key's type: ConfigError
     naming the first key whose interpolation does not (an unset environment variable, an unknown

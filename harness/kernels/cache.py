@@ -18,16 +18,27 @@ BUILD_WAIT_S), then finds the build complete and loads it. Under the lock, what 
 
 Every other state of the cache folder answers in one line (a RuntimeError the caller reports): a path
 that is a file, a folder this process cannot write to (a complete build in it still loads: loading
-writes nothing), a build another process has held the lock on for longer than BUILD_WAIT_S.
+writes nothing), a build another process has held the lock on for longer than BUILD_WAIT_S. The first
+such answer of a process is also logged once (`unusable`): where a point asked for `auto`, torch's
+kernels then run in the C kernels' place, and the row's kernel columns alone would not say why.
+
+Trust: the stamp proves a build whole, not whose it is. Anyone who can write the cache folder can plant
+a library and a stamp that matches it, and every later run would execute it. So a cache folder owned by
+another user (root aside), or writable by others (group or world, sticky or not) on a writable file
+system, is not used at all (`trusted_folder`): one line says so, and the kernels are built in a private
+folder of this user's instead (PRIVATE_NAME under the temporary folder, mode 0700, itself checked the same
+way; failing that a fresh one).
 """
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +48,51 @@ log = logging.getLogger("harness")
 STAMP = "build.json"  # written into a build folder once its library is complete
 BUILD_WAIT_S = 600.0  # longest wait for another process's build of the same key (one takes 10-60 s)
 POLL_S = 0.2  # how often a waiting process tries the lock again
+PRIVATE_NAME = "decode-harness-kernels-{uid}"  # the private cache under the temporary folder when the named one is not trusted
+_told: list[str] = []  # the unusable-cache line this process has logged (once)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why what `path` holds could be another user's (in words, for a line), or None: it is owned by this
+    user or root, and no one else can write to it (or its file system is read-only)."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None  # made by this process when needed
+    if status.st_uid not in (os.geteuid(), 0):
+        return f"owned by another user (uid {status.st_uid})"
+    if status.st_mode & 0o022 and not os.statvfs(path).f_flag & os.ST_RDONLY:
+        return f"writable by other users (mode {status.st_mode & 0o7777:o})"
+    return None
+
+
+@functools.cache
+def trusted_folder(folder: Path) -> Path:
+    """`folder` where no other user can have put a build in it (`untrusted`); else, said once in one line,
+    a private folder of this user's to build in."""
+    reason = untrusted(folder)
+    if reason is None:
+        return folder
+    private = Path(tempfile.gettempdir()) / PRIVATE_NAME.format(uid=os.geteuid())
+    try:
+        private.mkdir(mode=0o700, exist_ok=True)
+        if untrusted(private) is not None or not private.is_dir():
+            raise OSError("not private")
+    except OSError:
+        private = Path(tempfile.mkdtemp(prefix="decode-harness-kernels-"))
+    log.warning(f"the kernel cache {folder} is {reason}: a library there could be anyone's, so none is loaded "
+                f"from it; building the kernels in the private folder {private} instead (set HARNESS_KERNEL_CACHE "
+                "to a folder only you can write)")
+    return private
+
+
+def unusable(message: str) -> RuntimeError:
+    """The RuntimeError of a cache that cannot be used, its line also logged the first time in a process:
+    a point asking for `auto` then runs torch's kernels, and says only which ran."""
+    if not _told:
+        _told.append(message)
+        log.warning(f"{message}; the C kernels are unavailable: `auto` runs torch's kernels instead")
+    return RuntimeError(message)
 
 
 def checksum(path: Path) -> str:
@@ -91,13 +147,13 @@ def write_stamp(folder: Path, library: str, key: str, compiler: str) -> None:
 def usable_folder(folder: Path) -> None:
     """Create the cache folder where missing; RuntimeError in one line where it cannot be one."""
     if folder.exists() and not folder.is_dir():
-        raise RuntimeError(f"the kernel cache {folder} is a file, not a folder: move it, or set "
-                           "HARNESS_KERNEL_CACHE to a folder")
+        raise unusable(f"the kernel cache {folder} is a file, not a folder: move it, or set "
+                       "HARNESS_KERNEL_CACHE to a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise RuntimeError(f"the kernel cache {folder} cannot be created ({error.strerror or error}): set "
-                           "HARNESS_KERNEL_CACHE to a writable folder") from None
+        raise unusable(f"the kernel cache {folder} cannot be created ({error.strerror or error}): set "
+                       "HARNESS_KERNEL_CACHE to a writable folder") from None
 
 
 @contextmanager
@@ -111,8 +167,8 @@ def building(folder: Path, name: str, wait_s: float | None = None):
     try:
         descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
-        raise RuntimeError(f"cannot build the kernels in {folder} ({error.strerror or error}): set "
-                           "HARNESS_KERNEL_CACHE to a writable folder") from None
+        raise unusable(f"cannot build the kernels in {folder} ({error.strerror or error}): set "
+                       "HARNESS_KERNEL_CACHE to a writable folder") from None
     try:
         _acquire(descriptor, lock, BUILD_WAIT_S if wait_s is None else wait_s)
         os.ftruncate(descriptor, 0)
@@ -133,8 +189,8 @@ def _acquire(descriptor: int, lock: Path, wait_s: float) -> None:
         except BlockingIOError:
             holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"another process (pid {holder}) has been building the kernels for over "
-                                   f"{wait_s:.0f} s (it holds {lock})") from None
+                raise unusable(f"another process (pid {holder}) has been building the kernels for over "
+                               f"{wait_s:.0f} s (it holds {lock})") from None
             if not told:
                 log.info(f"another process (pid {holder}) is building the kernels ({lock}): waiting for it")
                 told = True

@@ -123,7 +123,7 @@ def build_and_load(cxx: str) -> Path:
     flags and CPU is there (harness.kernels.cache checks it); the library is loaded into this process
     either way (its operators appear in torch.ops). RuntimeError in one line where it cannot be."""
     key = build_key(cxx)
-    folder = cache_dir()
+    folder = cache.trusted_folder(cache_dir())  # one no other user can have planted a library in
     target = folder / f"{NAMESPACE}-{key}"
     if cache.problem(target, LIBRARY, key) is not None:
         with cache.building(folder, target.name):
@@ -176,9 +176,14 @@ class Extension:
         if not cxx.strip() or shutil.which(shlex.split(cxx)[0]) is None:
             return f"no C++ compiler ({cxx}) on PATH to build the kernels"
         try:
-            build_and_load(cxx)
+            folder = build_and_load(cxx)
         except (RuntimeError, OSError) as error:
             return str(error)
+        try:
+            self.constants  # a library that loads but is not this harness's build registers no such operator
+        except (AttributeError, RuntimeError) as error:
+            return (f"the library in {folder} registers no {NAMESPACE}.constants ({str(error).splitlines()[0][:200]}): "
+                    "not this harness's build of the kernels; remove it")
         runtimes = _openmp_runtimes()
         if len(runtimes) > 1:  # e.g. a clang build pulling in libomp beside torch's libgomp
             return (f"the kernels loaded a second OpenMP runtime ({', '.join(sorted(runtimes))}): their threads "

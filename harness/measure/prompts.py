@@ -23,8 +23,10 @@ measures.
 
 Bounded work: `read_tokens(..., limit=N)` reads only what N tokens need. Text is tokenized in growing
 prefixes of the file (READ_BYTES_PER_TOKEN bytes a token at first, doubled until enough), each cut at
-its last line break (else its last space), and the prefix gives SPARE_TOKENS more than it returns, so
-a cut never changes a token returned: the first N ids are those of the whole file, whatever its size.
+its last line break (else its last space, else the start of its last character: a text without
+either is never read whole), and the prefix gives SPARE_TOKENS more than it returns, so a cut never
+changes a token returned (a cut inside a word changes the tokens of that word only): the first N ids
+are those of the whole file, whatever its size.
 The content hash (`content_hash`) is as bounded: sha256 of the file's size, its first HASHED_HEAD_BYTES
 (every token of a point of up to about four million tokens of text) and last HASHED_TAIL_BYTES, and
 the tokenizer's (tokenizer.json's bytes, or a GGUF checkpoint's own content hash, which covers its
@@ -47,6 +49,7 @@ from tokenizers import Tokenizer
 
 from harness.config.paths import expanded, kind_of
 from harness.config.texts import builtin_text, is_builtin_text
+from harness.config.validate import first_line
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
 from harness.model.gguf_tokenizer import gguf_tokenizer
@@ -56,6 +59,7 @@ HASHED_HEAD_BYTES = 16 * 2**20  # the content hash reads this much of the file's
 HASHED_TAIL_BYTES = 2**20  # ...and this much of its end
 READ_BYTES_PER_TOKEN = 8  # the first prefix of a text file read for `limit` tokens: twice English text's ~4 bytes a token
 SPARE_TOKENS = 64  # tokens a prefix must give beyond those returned: the cut may change the last few
+JSON_MAX_BYTES = 64 * 2**20  # a .json file of ids is parsed whole: ~10 million ids at most; .npy is mapped
 
 
 class PromptError(ValueError):
@@ -128,16 +132,37 @@ def _read_tokens(file: Path, tokenizer: Optional[Path], limit: Optional[int], _s
         except (ValueError, OSError, EOFError) as error:
             raise PromptError(f"'{file}' is not a NumPy array file ({str(error).splitlines()[0]})") from None
     elif file.suffix == ".json":
-        try:
-            ids = np.asarray(json.loads(file.read_text()))
-        except (ValueError, UnicodeDecodeError) as error:
-            raise PromptError(f"'{file}' is not JSON ({str(error).splitlines()[0]})") from None
+        ids = _json_ids(file)
     else:
         ids = np.asarray(_tokenize(file, tokenizer, limit), dtype=np.int64)
     if ids.dtype == object or ids.ndim not in (1, 2) or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise PromptError(f"'{file}' must hold integer token ids, a list or rows of equal length "
                           f"(got {ids.dtype} of shape {list(ids.shape)})")
     return ids[:limit] if ids.ndim == 1 else ids
+
+
+def _json_ids(file: Path) -> np.ndarray:
+    """The ids a .json file holds, as an array; PromptError saying which rule the file breaks."""
+    size = file.stat().st_size
+    if size > JSON_MAX_BYTES:
+        raise PromptError(f"'{file}' is {size:,} bytes of JSON, more than {JSON_MAX_BYTES:,}: give the ids as .npy, "
+                          "which is memory-mapped and read only where a window is")
+    try:
+        value = json.loads(file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise PromptError(f"'{file}' is not JSON ({first_line(error, typed=False)})") from None
+    except RecursionError:
+        raise PromptError(f"'{file}' nests its JSON deeper than Python reads; token ids are a list, or a list of "
+                          "lists") from None
+    rows = value if isinstance(value, list) and value and all(isinstance(row, list) for row in value) else None
+    if rows is not None and len({len(row) for row in rows}) > 1:
+        raise PromptError(f"'{file}' holds rows of {min(map(len, rows)):,} to {max(map(len, rows)):,} ids; rows of "
+                          "token ids must be of equal length (one row per sequence)")
+    try:
+        return np.asarray(value)
+    except (ValueError, OverflowError) as error:  # rows of lists within lists, numbers beyond int64
+        raise PromptError(f"'{file}' must hold integer token ids, a list or rows of equal length "
+                          f"({first_line(error, typed=False)})") from None
 
 
 def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> list[int]:
@@ -153,8 +178,8 @@ def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> li
             f.seek(0)
             data = f.read(read)
             whole = read >= size
-            cut = len(data) if whole else (data.rfind(b"\n") + 1 or data.rfind(b" ") + 1)
-            if whole or cut:  # a line break or a space: a character boundary, and (almost) a token boundary
+            cut = len(data) if whole else (data.rfind(b"\n") + 1 or data.rfind(b" ") + 1 or _character_start(data))
+            if whole or cut:  # a line break or a space (almost a token boundary), else a character's start
                 try:
                     text = data[:cut].decode("utf-8")
                 except UnicodeDecodeError:
@@ -167,6 +192,15 @@ def _tokenize(file: Path, tokenizer: Optional[Path], limit: Optional[int]) -> li
                 if whole or len(ids) >= limit + SPARE_TOKENS:
                     return ids
             read = min(size, 2 * read)
+
+
+def _character_start(data: bytes) -> int:
+    """Where the last UTF-8 character of `data` starts (0 when none does): a prefix of text without a
+    space or a line break is cut there, not read whole."""
+    for back in range(1, min(len(data), 4) + 1):
+        if data[-back] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return len(data) - back
+    return 0
 
 
 @functools.lru_cache(maxsize=2)

@@ -131,6 +131,17 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARACTERS else text[: SHOWN_CHARACTERS - 3] + "..."
 
 
+def _kind_said(field: Field, value: Any) -> str:
+    """" (a string)" where `value` is of another kind than `field` holds, so a wrong type does not read as
+    a value out of range; "" where it is of the kind and only out of range."""
+    kinds = {"integer": (int,), "number": (int, float), "bool": (bool,), "text": (str,), "texts": (list,),
+             "integers": (list,), "numbers": (list,), "object": (dict,)}[field.kind]
+    if type(value) in kinds and not (field.kind in ("integer", "number") and isinstance(value, bool)):
+        return ""
+    names = {bool: "a bool", int: "an integer", float: "a float", str: "a string", list: "a list", dict: "an object"}
+    return f" ({names.get(type(value), type(value).__name__)})"
+
+
 def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Where, prefix: str = "") -> dict[str, Any]:
     """`values` checked against `table`: a dict of every field of the table, the default where the key
     is absent or null, an object's fields as its own dict; numbers as floats. CheckpointError naming
@@ -144,7 +155,7 @@ def checked_fields(values: Mapping[str, Any], table: Sequence[Field], where: Whe
         if value is None:
             checked[field.name] = field.default
         elif not field.accepts(value):
-            raise CheckpointError(f"{where(name)} must be {field.describe()}, got {shown(value)}")
+            raise CheckpointError(f"{where(name)} must be {field.describe()}, got {shown(value)}{_kind_said(field, value)}")
         elif field.kind == "object" and field.fields:
             checked[field.name] = checked_fields(value, field.fields, where, f"{name}.")
         else:

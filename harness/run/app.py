@@ -43,7 +43,7 @@ from harness.run.grouping import PlannedGroup, find_work, leaders, leave_work  #
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
 from harness.run.closing import closing_line  # noqa: E402
 from harness.run.plan import (CONFIG_DIR, CONFIG_NAME, PlannedPoint, check_printed_config,  # noqa: E402
-                              needs_preflight, plan)
+                              hydra_order, needs_preflight, plan)
 from harness.run.resolve import cuda_available, point_from_config  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
 
@@ -173,6 +173,7 @@ def main() -> int:
         print("interrupted before the first point: nothing written", file=sys.stderr)
         return 130
     quiet_launchers(argv)
+    sys.argv[1:] = hydra_order(argv)  # Hydra's parser takes flags before overrides only
     points = the_plan.points
     PROGRESS.total = len(points)
     results_dir = the_plan.results_dir

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from harness.analysis.analytic import dtype_bytes
+from harness.analysis.analytic import dtype_bytes, kv_cache_bytes, weight_bytes
 from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
 from harness.config.paths import LocationError, config_dir
 from harness.config.validate import first_line, validate_model
@@ -91,6 +91,31 @@ def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx
             ids = read_tokens(source, tokenizer, limit=accuracy_tokens_needed(ctx, accuracy.tokens))
             accuracy_windows(ids, ctx, accuracy.steps, accuracy.tokens, shape.vocab_size, f"'{source}'")
     return found
+
+
+def accuracy_pass_bytes(shape: ModelConfig, dtype: str, ctx: int, accuracy: AccuracyConfig) -> dict[str, int]:
+    """Memory the accuracy pass (harness.measure.accuracy) holds at its peak beside the model, by what
+    holds it: the reference's logits of every scored step (kept for every approximate member of the
+    group), one chunk's cache at ctx + steps, and a step's two distributions scored in float64."""
+    windows = -(-accuracy.tokens // accuracy.steps)
+    chunk = min(accuracy.batch, windows)
+    return {"accuracy.tokens": windows * accuracy.steps * shape.vocab_size * dtype_bytes(dtype),
+            "accuracy.batch": int(kv_cache_bytes(shape, dtype, chunk, ctx + accuracy.steps)
+                                  + 4 * chunk * shape.vocab_size * 8)}
+
+
+def accuracy_fits(shape: ModelConfig, dtype: str, device: str, ctx: int, accuracy: AccuracyConfig) -> None:
+    """ConfigError, before anything is measured, on the key whose term dominates when the accuracy pass and
+    the model cannot fit in the CPU's free memory (on CUDA the point's own process finds out, as for its cache)."""
+    if device != "cpu":
+        return
+    parts = accuracy_pass_bytes(shape, dtype, ctx, accuracy)
+    need, have = sum(parts.values()) + weight_bytes(shape, dtype), available_bytes("cpu")
+    if need > have:
+        raise ConfigError(max(parts, key=parts.get), f"the accuracy pass scores {accuracy.tokens:,} tokens in windows of "
+                          f"{accuracy.steps:,} steps, {accuracy.batch:,} windows at a time, after ctx={ctx:,}: with "
+                          f"the model it needs ~{need / GIB:.1f} GiB, {have / GIB:.1f} GiB of memory is free; "
+                          "score fewer accuracy.tokens or run a smaller accuracy.batch")
 
 
 @contextmanager

@@ -151,7 +151,11 @@ def plan(argv: list[str], cuda_available) -> Plan:
         raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
                                     "model and ctx (no lists), or search=none for a sweep")
     if not command.multirun and first.does_not_fit is not None:
-        raise ConfigError("model", f"{first.point.label()} {first.does_not_fit}; choose a smaller model, batch or ctx")
+        key = _largest_size(first.point)
+        key = key if key.startswith("strategy.") and first.point.ctx + first.point.decode_tokens < \
+            first.point.strategy.strategy_options[key.removeprefix("strategy.")] else "model"  # an option past the sequence
+        raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller "
+                               f"{key if key != 'model' else 'model, batch or ctx'}")
     groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
     return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
 
@@ -281,12 +285,20 @@ def check_point(point: Point) -> None:
         value = row[column.name]
         if value is None or isinstance(value, bool):
             continue
-        if pa.types.is_integer(column.type) and not -INT64_MAX - 1 <= value <= INT64_MAX:
-            key = "model" if column.name == "weight_bytes" else "batch"
+        too_large = pa.types.is_integer(column.type) and not -INT64_MAX - 1 <= value <= INT64_MAX
+        if too_large or pa.types.is_floating(column.type) and isinstance(value, float) and not math.isfinite(value):
+            key = "model" if column.name == "weight_bytes" else _largest_size(point)
             raise ConfigError(key, f"{point.label()}: the row's {column.name} would be {float(value):.3g}, beyond a "
-                                   f"64-bit integer; choose a smaller model, batch, ctx or decode_tokens")
-        if pa.types.is_floating(column.type) and isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError("batch", f"{point.label()}: the row's {column.name} would be {value}; choose smaller sizes")
+                                   f"64-bit {'integer' if too_large else 'float'}; choose a smaller {key}")
+
+
+def _largest_size(point: Point) -> str:
+    """The key of the largest size a point sets (batch, ctx, decode_tokens, an integer option of its
+    strategy): what a figure of its row too large to store comes from."""
+    sizes = {"batch": point.batch, "ctx": point.ctx, "decode_tokens": point.decode_tokens,
+             **{f"strategy.{name}": value for name, value in point.strategy.strategy_options.items()
+                if isinstance(value, int) and not isinstance(value, bool)}}
+    return max(sizes, key=sizes.get)
 
 
 def _check_flags(argv: list[str]) -> None:
@@ -297,6 +309,13 @@ def _check_flags(argv: list[str]) -> None:
             raise ConfigError("command line", f"flag {flag!r} is not accepted (it would run another config than the "
                                               "one checked, or is unknown); allowed: -m, --run, --help, --cfg, --info; "
                                               "extra configs: hydra.searchpath=[file:///abs/folder]")
+
+
+def hydra_order(argv: list[str]) -> list[str]:
+    """A planned command line as Hydra's parser takes it: its flags (-m, --run: none takes a value) before
+    its overrides, each kept in its order. `model=tiny -m batch=1,2` is planned as written; Hydra's parser
+    would stop at the flag and print its usage."""
+    return [arg for arg in argv if arg.startswith("-")] + [arg for arg in argv if not arg.startswith("-")]
 
 
 def _parse(parser: OverridesParser, overrides: list[str]):
@@ -364,6 +383,10 @@ def _compose(overrides: list[str], with_hydra: bool):
         raise _missing_option(error) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise _composition_error(error) from None
+    except ValueError as error:  # Hydra's answer to a config group set to null (strategy=null)
+        nulled = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.endswith("=null") and "." not in o.split("=", 1)[0]]
+        raise ConfigError(nulled[0] if nulled else "command line",
+                          f"{first_line(error, typed=False)}: a config group takes one of its options by name") from None
     # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
     # (its other fields are filled as a job starts).
     settable = {re.split(r"[./]", key)[1] for key in HYDRA_KEYS_ALLOWED}

@@ -21,7 +21,7 @@ from harness.model import cpu_gemv
 from harness.model.cpu_linear import onednn_supports, resolve_matmul
 from harness.model.factory import BIAS_FREE_MATMULS
 from harness.run.catalog import strategy_class
-from harness.run.inputs import accuracy_reference, checkpoint_shape, prompt_source
+from harness.run.inputs import accuracy_fits, accuracy_reference, checkpoint_shape, prompt_source
 from strategies.base import StrategyUnavailable
 
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
@@ -105,7 +105,10 @@ def point_from_config(cfg, variant: str = "") -> Point:
         prompt = str(Path(prompt).expanduser().resolve())
     # Exact strategies run no accuracy pass: they carry the default, so accuracy.* never splits their keys.
     accuracy = AccuracyConfig() if strategy.exact else AccuracyConfig(**OmegaConf.to_container(cfg.accuracy))
+    accuracy = dataclasses.replace(accuracy, steps=min(accuracy.steps, accuracy.tokens))  # no step scores nothing
     scored = accuracy if not strategy.exact else None
+    if scored is not None:
+        accuracy_fits(model, dtype, device, cfg.ctx, scored)
     return Point(
         model=model,
         strategy=strategy,
