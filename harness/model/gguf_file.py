@@ -10,11 +10,12 @@ dequantizes (gguf.quants.dequantize).
 
 Accepted: general.architecture `llama`, as llama.cpp's converter writes Llama 2/3, Mistral, SmolLM and
 other Llama-shaped models, with tensors stored in one of DEQUANTIZED_TYPES. Refused with one line
-naming the file (CheckpointError): a file the library cannot parse (not GGUF, truncated, damaged, or a
-tensor type it does not know), another architecture, a metadata field of the wrong kind or range (the
-schema's rules), a model feature the decoder does not reproduce (UNSUPPORTED_KEYS; RoPE frequency
-factors; partial rotary embeddings, `check_heads`), another tensor type, a missing, extra or
-misshapen tensor.
+naming the file (CheckpointError): a file whose header harness.model.gguf_scan refuses before the
+library reads it (every declared count and length against the bytes left, llama.cpp's tensor rules),
+or the library cannot parse, another architecture, a metadata field of the wrong kind or range (the
+schema's rules), a model feature the decoder does not reproduce (UNSUPPORTED_KEYS; partial rotary
+embeddings, `check_heads`), another tensor type, a missing, extra or misshapen tensor. RoPE scaling is
+read as llama.cpp reads it (harness.model.gguf_rope): linear, and Llama 3.1's `rope_freqs.weight`.
 
 Row order: llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) reorders the rows of
 attn_q and attn_k within each head, from Hugging Face's rotate-half halves to the adjacent pairs GGML's
