@@ -176,6 +176,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
     ("peak_memory_predicted_bytes", I, "B", "the memory model's peak: weights + cache + the largest transients (harness.analysis.peak_memory); compare with peak_memory_bytes", "model"),
     ("bytes_per_step_model", I, "B", "bytes a decode step must move (weights, cache read, written, copied), mean over the timed steps", "model"),
+    ("cache_share_of_step_bytes", F, "", "share of bytes_per_step_model that is cache (read, written, copied): the most any compression of this cache can save of the step", "model"),
+    ("context_to_match_weights", F, "tokens", "tokens per sequence at which this batch's cache, as the layout stores it (kept tokens, layers, key channels, format), weighs as much as the weights a decode step reads (the cache is then half the step's bytes); null without a cache or where a token budget keeps it below them", "model"),
     ("flops_per_step_model", F, "FLOP", "FLOPs of a decode step, mean over the timed steps", "model"),
     # roofs (calibration)
     ("roof_bandwidth_Bps", F, "B/s", "read bandwidth calibrated on this device and dtype; null if not calibrated", "roofs"),
