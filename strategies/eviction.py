@@ -258,8 +258,7 @@ class EvictionStrategy(Strategy):
                 raise StrategyOptionError(option, f"must be an integer >= {least}, got {value!r}")
         if kernel_size % 2 == 0:
             raise StrategyOptionError("kernel_size", f"must be odd (the pooled score stays centred), got {kernel_size}")
-        recent = recent or budget // 2
-        for option, value, policy_using in (("sinks", sinks, "streaming"), ("recent", recent, "h2o"),
+        for option, value, policy_using in (("sinks", sinks, "streaming"), ("recent", recent or budget // 2, "h2o"),
                                             ("window", window, "snapkv")):
             if policy == policy_using and value >= budget:
                 raise StrategyOptionError(option, f"{value} leaves no room in a budget of {budget} tokens; "
@@ -274,13 +273,15 @@ class EvictionStrategy(Strategy):
                                                 f"{', '.join(FORMATS)}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise StrategyOptionError("group_size", f"must be an even integer >= 2, got {group_size!r}")
-        self.policy = Policy(policy, budget, sinks if policy == "streaming" else 0, recent, window, kernel_size)
+        self.policy = Policy(policy, budget, sinks if policy == "streaming" else 0, recent or budget // 2, window,
+                             kernel_size)
+        self.sinks, self.recent = sinks, recent  # as configured (recent 0: half the budget), what options() records
         self.positions, self.format, self.group_size = positions, format, group_size
         self.spec = QuantSpec(format, group_size) if format else None
 
     def options(self) -> dict:
         p = self.policy
-        return {"policy": p.name, "budget": p.budget, "sinks": p.sinks, "recent": p.recent, "window": p.window,
+        return {"policy": p.name, "budget": p.budget, "sinks": self.sinks, "recent": self.recent, "window": p.window,
                 "kernel_size": p.kernel_size, "positions": self.positions, "format": self.format,
                 "group_size": self.group_size}
 
