@@ -80,10 +80,10 @@ def accuracy(point: Point, strategy, model, references: ReferencePasses | None =
     exact = references.get_or_run(key, reference, model, windows, point.accuracy.batch)
     columns = teacher_forced(strategy, exact, model, scored_after(windows, budget), point.accuracy.batch)
     recall = recall_windows(windows.prompts.cpu().numpy(), point.accuracy.steps)
-    if recall is None:
+    probe = scored_after(probe_windows(recall, model.device), budget) if recall is not None else None
+    if probe is None or not probe.scored.any():
         columns.update(dict.fromkeys(RECALL_COLUMNS))
     else:
-        probe = probe_windows(recall, model.device)
         exact_probe = references.get_or_run(key + ("recall",), reference, model, probe, point.accuracy.batch)
         began = time.perf_counter()
         columns.update(recall_probe(strategy, exact_probe, model, probe, recall.distance, point.accuracy.batch))
