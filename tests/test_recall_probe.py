@@ -95,3 +95,19 @@ def test_an_exact_cache_recalls_the_span_on_the_real_model():
     exact = reference_pass(REFERENCE, model, windows, chunk=2)
     got = recall_probe(ContiguousStrategy(), exact, model, windows, recall.distance, chunk=2)
     assert got["recall_top1_reference"] >= 0.9 and got["recall_distance"] > 400
+
+
+def test_the_pass_of_an_evicting_cache_scores_after_its_budget_fills_and_says_when_it_never_does():
+    from harness.measure.decoding import accuracy
+
+    def run(budget: int) -> dict:
+        point = planned_point("model=tiny", "strategy=streaming", f"strategy.budget={budget}", "ctx=64",
+                              "decode_tokens=2", "accuracy.tokens=16", "accuracy.steps=8")
+        return accuracy(point, point.strategy.instantiate(), cpu_model(point.model))
+
+    filling = run(66)  # steps at contexts 64, 65 hold fewer than 66 tokens: not scored
+    assert filling["accuracy_tokens"] == 2 * 6 and filling["recall_tokens"] == 2 * 6
+    assert filling["recall_distance"] == 64 - RECALL_CUE_TOKENS - 64 // 16
+    never = run(100)
+    assert never["logit_kl_mean"] is None and never["recall_top1"] is None
+    assert "never filled" in never["accuracy_reference"]
