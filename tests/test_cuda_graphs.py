@@ -46,6 +46,8 @@ def decode(strategy, model, prompt, graphed: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replay_generates_the_eager_tokens(name, dtype):
     strategy = STRATEGIES[name]()
+    if not type(strategy).graph_capturable:
+        pytest.skip(f"{name} declares its steps not capturable (the runner refuses cuda_graphs=true for it)")
     device = torch.device("cuda")
     try:
         strategy.kernel(device, dtype)

@@ -49,6 +49,22 @@ def test_strategy_generates_the_no_cache_tokens(reference, name, backend):
     assert torch.equal(tokens, expected)
 
 
+# Evicting caches at a budget that holds every token of the sequence: nothing is ever evicted, so each
+# policy (its scoring attention, slot writes and position bookkeeping all running) must give the exact
+# tokens. The variants' options as shipped (conf/strategy/), the budget raised past the whole sequence
+# (and past snapkv's window of 32, which a budget must exceed).
+EVICTION_VARIANTS = ["streaming", "h2o", "snapkv", "tova"]
+
+
+@pytest.mark.parametrize("variant", EVICTION_VARIANTS)
+def test_eviction_at_a_budget_holding_everything_is_exact(reference, variant):
+    from tests.test_eviction import variant as eviction_variant
+
+    model, prompt, new_tokens, expected = reference
+    strategy = eviction_variant(variant, budget=prompt.shape[1] + new_tokens + 32)
+    assert torch.equal(generate(strategy, model, prompt, new_tokens), expected)
+
+
 def test_the_reference_is_not_degenerate():
     """Equal outputs only prove something if the outputs vary: random weights must not collapse."""
     model = cpu_model(GQA4)

@@ -157,7 +157,7 @@ def decode_step_flops(shape: Shape, batch: int, context: int, layout: Layout = C
     if layout is None:
         return forward_flops(shape, batch, start=0, new=context + 1)
     keys = cache_terms.attended_keys(context, max_len or context + 1, layout)
-    return forward_flops(shape, batch, start=keys - 1, new=1)
+    return forward_flops(shape, batch, start=keys - 1, new=1) + batch * keys * cache_terms.scoring_flops_per_key(shape, layout)
 
 
 def prefill_flops(shape: Shape, batch: int, prompt: int) -> int:
@@ -174,8 +174,9 @@ def generate_flops(shape: Shape, batch: int, prompt: int, steps: int, layout: La
     """FLOPs of the `steps` decode steps after a `prompt`-token prompt (prefill excluded), in closed form.
 
     Cached: linear in length (step i: 2 * matmul weights + one query over p + i + 1 keys, or over all
-    p + steps positions for a layout that reads max_len). No cache: quadratic (step i: a forward pass
-    over T = p + i + 1 tokens, T(T+1)/2 causal pairs).
+    p + steps positions for a layout that reads max_len, or at most its token budget + 1 keys, each
+    scored by the layout's eviction score too). No cache: quadratic (step i: a forward pass over
+    T = p + i + 1 tokens, T(T+1)/2 causal pairs).
     """
     layer_matmuls = 2 * (matmul_params(shape) - shape.vocab_size * shape.d_model)  # per token
     head = 2 * shape.vocab_size * shape.d_model  # per forward pass
@@ -185,7 +186,8 @@ def generate_flops(shape: Shape, batch: int, prompt: int, steps: int, layout: La
     if layout is not None and layout.reads_max_len:
         per_sequence = steps * (layer_matmuls + head) + pair * steps * cache_terms.span(layout, prompt + steps)
     elif layout is not None:
-        per_sequence = steps * (layer_matmuls + head) + pair * keys_or_tokens
+        scored_pair = pair + cache_terms.scoring_flops_per_key(shape, layout)
+        per_sequence = steps * (layer_matmuls + head) + scored_pair * cache_terms.summed_attended_keys(prompt, steps, layout)
     else:
         pairs = _tetrahedral(last) - _tetrahedral(first - 1)  # sum over the steps of T(T+1)/2
         per_sequence = layer_matmuls * keys_or_tokens + steps * head + pair * pairs
@@ -273,10 +275,22 @@ def mean_decode_step(shape: Shape, dtype: str, batch: int, ctx: int, steps: int,
     roofline time summed (a compute-bound step cannot lend idle bandwidth to the next) in closed form.
     A preallocated cache spans ctx + steps tokens."""
     flops = generate_flops(shape, batch, ctx, steps, layout) / steps
-    first_bytes, per_step = _step_bytes_line(shape, dtype, batch, ctx, steps, layout)
-    mean_bytes = first_bytes + per_step * (steps - 1) / 2
+    summed_bytes = 0.0
+    for first, count in _budget_pieces(ctx, steps, layout):
+        first_bytes, per_step = _step_bytes_line(shape, dtype, batch, first, count, layout)
+        summed_bytes += count * (first_bytes + per_step * (count - 1) / 2)
+    mean_bytes = summed_bytes / steps
     seconds = None if roof is None else generate_time(shape, dtype, batch, ctx, steps, roof, layout) / steps
     return MeanStep(bytes=mean_bytes, flops=flops, seconds=seconds)
+
+
+def _budget_pieces(prompt: int, steps: int, layout: Layout) -> list[tuple[int, int]]:
+    """(first context, steps) runs of steps on which a step's bytes are one line and its FLOPs one
+    polynomial: all the steps, or split where the cache fills its token budget (growing, then flat)."""
+    budget = layout.token_budget if layout is not None else 0
+    if prompt < budget < prompt + steps:
+        return [(prompt, budget - prompt), (budget, prompt + steps - budget)]
+    return [(prompt, steps)]
 
 
 def _step_bytes_line(shape: Shape, dtype: str, batch: int, prompt: int, steps: int, layout: Layout) -> tuple[float, float]:
@@ -287,7 +301,7 @@ def _step_bytes_line(shape: Shape, dtype: str, batch: int, prompt: int, steps: i
     max_len = prompt + steps
     if layout is not None and layout.residual_tokens:
         plain = dataclasses.replace(layout, residual_tokens=0)
-        full = cache_terms.full_width_bytes_per_token(shape, dtype)
+        full = cache_terms.full_width_bytes_per_token(shape, dtype, layout)
         extra_per_token = full - cache_terms.stored_bytes_per_token(shape, dtype, plain)
         window = cache_terms.mean_window_tokens(layout, prompt, steps) + 1  # + the token written to the window
         first, second = (decode_step_bytes(shape, dtype, batch, prompt + i, plain, max_len)["total"] for i in (0, 1))
@@ -332,8 +346,13 @@ def generate_time(shape: Shape, dtype: str, batch: int, prompt: int, steps: int,
                   layout: Layout = CONTIGUOUS) -> float:
     """Roofline seconds of the `steps` decode steps: each step at its own roof, then summed (a step that
     is compute bound cannot lend its idle bandwidth to the next). Closed form: a step's FLOPs are a
-    polynomial of degree <= 2 in its index and its bytes a line, so the sum of their maximum splits at
-    the crossings."""
+    polynomial of degree <= 2 in its index and its bytes a line (on each side of the step where a token
+    budget fills), so the sum of their maximum splits at the crossings."""
+    return sum(_piece_time(shape, dtype, batch, first, count, roof, layout)
+               for first, count in _budget_pieces(prompt, steps, layout))
+
+
+def _piece_time(shape: Shape, dtype: str, batch: int, prompt: int, steps: int, roof: Roof, layout: Layout) -> float:
     max_len = prompt + steps
 
     def flops(i: int) -> float:

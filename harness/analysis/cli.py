@@ -27,7 +27,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from harness.analysis import capacity
+from harness.analysis import capacity, compression
 from harness.analysis.analytic import Roof
 from harness.analysis.capacity import DEFAULT_RESERVE
 from harness.analysis.hardware import Hardware, HardwareError, resolve
@@ -193,6 +193,7 @@ def figures_of(cfg, shape, roof, layout) -> dict:
                                              cfg.hardware.memory_bytes, cfg.reserve))
     figures.update(capacity.cost_figures(figures["generate_s_cached"], cfg.batch, cfg.decode_tokens, cfg.tp,
                                          cfg.usd_per_device_hour))
+    figures.update(compression.compression_figures(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, layout))
     return finite_figures(figures)
 
 

@@ -83,6 +83,12 @@ SECTIONS: dict[str, dict[str, Callable[[Any], str]]] = {
         "prefill_bytes_per_token": unit("B/token"), "decode_bytes_per_token": unit("B/token"),
     },
     "roof of one device": {"peak_flops": unit("FLOP/s"), "bandwidth_Bps": unit("B/s")},
+    "what compressing the cache can buy": {
+        "kept_tokens_per_sequence": count("tokens"), "layers_stored": plain("layers"),
+        "key_channels_stored": plain("channels per KV head"), "cache_share_of_step_bytes": lambda share: f"{share:.1%}",
+        "step_bytes_ratio_to_exact": plain("x"), "context_to_match_weights": count("tokens"),
+        "context_to_match_weights_exact": count("tokens"),
+    },
 }
 
 
@@ -98,7 +104,10 @@ def _notes(figures: dict, inputs: dict) -> dict[str, str]:
              "max_tokens": "batch x tokens, any split", "max_batch": f"of {tokens:,} tokens each: ctx + decode_tokens",
              "max_context": f"per sequence at batch {inputs['batch']:,}",
              "decode_step_s": f"first step, context {inputs['ctx']:,}",
-             "flops_decode_step_per_device": f"tp {inputs['tp']}", "bytes_decode_step_per_device": f"tp {inputs['tp']}"}
+             "flops_decode_step_per_device": f"tp {inputs['tp']}", "bytes_decode_step_per_device": f"tp {inputs['tp']}",
+             "cache_share_of_step_bytes": "the most any compression of this cache saves of a step",
+             "context_to_match_weights": f"per sequence at batch {inputs['batch']:,}, as this layout stores it",
+             "context_to_match_weights_exact": f"per sequence at batch {inputs['batch']:,}, exact cache"}
     return {**notes, **{f"max_context_batch_{b}": f"per sequence at batch {b}" for b in PLANNING_BATCHES}}
 
 
@@ -117,6 +126,8 @@ def _missing(key: str, figures: dict, inputs: dict) -> str:
                 "(hardware.memory_bytes=<bytes> sets one)")
     if key in SECTIONS["memory"]:
         return "any: without a cache nothing grows with the tokens"
+    if key == "context_to_match_weights" and figures.get("kept_tokens_per_sequence") is not None:
+        return "never: the token budget keeps the cache below the weights at any length"
     return "- (no cache)"
 
 

@@ -6,8 +6,10 @@ one function per term that reads it (harness.analysis.analytic), and every row r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
+
+from harness.config.keys import OPTIONAL_IN_KEY
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,18 @@ class CacheLayout:
     scale_bytes_per_token: float = 0.0  # quantization scales per token and KV head, K and V together, in bytes
     residual_tokens: int = 0  # most recent tokens per sequence kept at the compute dtype's width (quantized)
     preallocated_tokens: int = 0  # positions allocated per sequence whatever its length; 0: exactly what the point needs
+    # The compression axes besides bytes per number. Each is left out of a point's key at its default
+    # (harness.config.keys), so the points of the strategies that existed before them keep their keys.
+    # Most tokens kept per sequence, KV head and layer (eviction: the cache never holds more); 0: every token.
+    token_budget: int = field(default=0, metadata=OPTIONAL_IN_KEY)
+    # How the kept tokens are chosen: "" none; "recency" (streaming: sinks + recent window);
+    # "accumulated_attention" (h2o); "observation_window" (snapkv, once at the end of prefill);
+    # "current_attention" (tova). Scores read attention weights the step computes anyway.
+    eviction_score: str = field(default="", metadata=OPTIONAL_IN_KEY)
+    # Layers that store their own K/V (cross-layer sharing: the others read another layer's); 0: every layer.
+    layers_stored: int = field(default=0, metadata=OPTIONAL_IN_KEY)
+    # Key channels stored per KV head (ThinK's pruning; values keep every channel); 0: head_dim.
+    key_channels_kept: int = field(default=0, metadata=OPTIONAL_IN_KEY)
 
 
 CONTIGUOUS = CacheLayout()

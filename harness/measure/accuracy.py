@@ -29,13 +29,28 @@ Per point, over the scored tokens:
 - logit_kl_mean, logit_kl_p99, logit_kl_max: KL(reference || strategy) of the two softmaxes in float64;
 - perplexity and perplexity_reference: exp(mean negative log-likelihood of the text's tokens), their
   difference and ratio.
-The mean KL and the perplexity ratio get 95% intervals by a bootstrap over windows (harness.measure.
-intervals.cluster_mean_interval): tokens of one window share their text and their cache, so they are
-not independent draws. Nothing here runs inside a timed region. Rows of exact strategies leave these
+The top-1 agreement, mean KL, its 99th percentile and the perplexity ratio get 95% intervals by a
+bootstrap over windows (harness.measure.intervals): tokens of one window share their text and their
+cache, so they are not independent draws.
+
+Scored after the budget has filled: a cache that keeps at most `token_budget` tokens (eviction) drops
+nothing while it holds fewer, so a step whose context is below the budget is not scored (`scored_after`).
+
+The recall probe (`recall_*`): perplexity on prose rewards keeping the recent tokens, which every
+eviction policy does, so it cannot see a dropped token that mattered. The probe can: each accuracy
+prompt is rebuilt so that its last RECALL_CUE_TOKENS tokens repeat a span from near its start, and the
+decode steps are fed the rest of that span (harness.measure.prompts.recall_windows). A model continues
+a repeat by copying from the first occurrence (induction heads, which small models have too), so an
+exact cache predicts the span's next tokens almost always (`recall_top1_reference`), while a cache
+that dropped the first occurrence, `recall_distance` positions back, must guess. Scored per repeated
+token: recall_top1, the share whose argmax is the span's next token through the strategy's cache, and
+recall_kl_mean, KL(reference || strategy), each with its interval over windows. The reference's probe
+pass is kept with its text pass (`ReferencePasses`). Nothing here runs inside a timed region. Rows of exact strategies leave these
 columns null: their exactness is proven by token digests and tests instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -44,18 +59,23 @@ import numpy as np
 import torch
 
 from harness.config.validate import target_class
-from harness.measure.intervals import cluster_mean_interval
+from harness.measure.intervals import cluster_mean_interval, cluster_percentile_interval
+from harness.measure.prompts import RecallWindows
 
 FED_TEXT = "the text's tokens"
 FED_GREEDY = "the reference's greedy tokens (random prompts)"
 NOT_MEASURED = ("top1_agreement", "logit_max_abs_error", "logit_kl_mean", "logit_kl_mean_ci_low",
                 "logit_kl_mean_ci_high", "logit_kl_p99", "logit_kl_max", "perplexity", "perplexity_reference", "perplexity_delta",
                 "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high", "accuracy_tokens",
-                "accuracy_ctx", "accuracy_steps", "accuracy_windows", "accuracy_s")
+                "accuracy_ctx", "accuracy_steps", "accuracy_windows", "accuracy_s", "top1_agreement_ci_low",
+                "top1_agreement_ci_high", "logit_kl_p99_ci_low", "logit_kl_p99_ci_high")
+RECALL_COLUMNS = ("recall_top1", "recall_top1_ci_low", "recall_top1_ci_high", "recall_top1_reference",
+                  "recall_kl_mean", "recall_kl_mean_ci_low", "recall_kl_mean_ci_high", "recall_tokens",
+                  "recall_distance")
 
 
 def not_measured(reason: str) -> dict:
-    return {**dict.fromkeys(NOT_MEASURED), "accuracy_reference": reason}
+    return {**dict.fromkeys(NOT_MEASURED + RECALL_COLUMNS), "accuracy_reference": reason}
 
 
 def reference_strategy(spec: str):
@@ -122,11 +142,13 @@ def reference_pass(reference, model, windows: Windows, chunk: int) -> ReferenceP
     return ReferencePass(fed, logits, time.perf_counter() - began)
 
 
-def teacher_forced(strategy, exact: ReferencePass, model, windows: Windows, chunk: int) -> dict:
-    """The accuracy columns of `strategy` against the reference's pass over the same `windows`."""
-    began = time.perf_counter()
+def scored_steps(strategy, exact: ReferencePass, model, windows: Windows, chunk: int) -> tuple[dict, float]:
+    """Per-token values [W, steps] of `strategy` teacher-forced on the reference's tokens, and the
+    largest |reference - strategy| logit: kl, agree (argmaxes equal), and with targets the negative
+    log-likelihoods (nll_*) and whether each argmax is the target (hit_*)."""
     n_windows, steps = windows.scored.shape
-    per_token = {name: np.zeros((n_windows, steps)) for name in ("kl", "agree", "nll_exact", "nll_strategy")}
+    names = ("kl", "agree", "nll_exact", "nll_strategy", "hit_exact", "hit_strategy")
+    per_token = {name: np.zeros((n_windows, steps)) for name in names}
     max_abs = 0.0
     for index, rows in enumerate(_chunks(windows, chunk)):
         prompts = windows.prompts[rows]  # [b, ctx]
@@ -143,11 +165,47 @@ def teacher_forced(strategy, exact: ReferencePass, model, windows: Windows, chun
                 target = windows.targets[rows, j, None]  # [b, 1]: the text's next token
                 per_token["nll_exact"][rows, j] = -log_p.gather(-1, target)[:, 0].cpu().numpy()
                 per_token["nll_strategy"][rows, j] = -log_q.gather(-1, target)[:, 0].cpu().numpy()
+                per_token["hit_exact"][rows, j] = (exact_logits.argmax(-1) == target[:, 0]).cpu().numpy()
+                per_token["hit_strategy"][rows, j] = (logits.argmax(-1) == target[:, 0]).cpu().numpy()
         del session
+    return per_token, max_abs
+
+
+def teacher_forced(strategy, exact: ReferencePass, model, windows: Windows, chunk: int) -> dict:
+    """The accuracy columns of `strategy` against the reference's pass over the same `windows`."""
+    began = time.perf_counter()
+    per_token, max_abs = scored_steps(strategy, exact, model, windows, chunk)
     columns = summary(per_token, windows.scored, windows.targets is not None)
-    columns.update(logit_max_abs_error=max_abs, accuracy_ctx=windows.prompts.shape[1], accuracy_steps=steps,
-                   accuracy_windows=n_windows, accuracy_s=time.perf_counter() - began + exact.seconds)
+    columns.update(logit_max_abs_error=max_abs, accuracy_ctx=windows.prompts.shape[1], accuracy_steps=windows.steps,
+                   accuracy_windows=windows.scored.shape[0], accuracy_s=time.perf_counter() - began + exact.seconds)
     return columns
+
+
+def scored_after(windows: Windows, token_budget: int) -> Windows:
+    """The windows with only the steps scored whose context (ctx + j cached tokens) has filled a cache
+    of at most `token_budget` tokens (0: no budget, every step scored)."""
+    context = windows.prompts.shape[1] + np.arange(windows.steps)  # [steps]
+    return dataclasses.replace(windows, scored=windows.scored & (context >= token_budget))
+
+
+def probe_windows(recall: RecallWindows, device) -> Windows:
+    """The recall probe as windows the passes run: every repeated token scored."""
+    tensor = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
+    return Windows(tensor(recall.prompts), tensor(recall.fed), tensor(recall.targets),
+                   np.ones(recall.fed.shape, dtype=bool))
+
+
+def recall_probe(strategy, exact: ReferencePass, model, windows: Windows, distance: int, chunk: int) -> dict:
+    """The recall_* columns of `strategy` over the probe's `windows` (the module docstring)."""
+    per_token, _ = scored_steps(strategy, exact, model, windows, chunk)
+    scored = windows.scored
+    counts = scored.sum(axis=1)  # [W]
+    hit, hit_low, hit_high = cluster_mean_interval(np.where(scored, per_token["hit_strategy"], 0).sum(axis=1), counts)
+    kl, kl_low, kl_high = cluster_mean_interval(np.where(scored, per_token["kl"], 0).sum(axis=1), counts)
+    return {"recall_top1": hit, "recall_top1_ci_low": hit_low, "recall_top1_ci_high": hit_high,
+            "recall_top1_reference": float(per_token["hit_exact"][scored].mean()), "recall_kl_mean": kl,
+            "recall_kl_mean_ci_low": kl_low, "recall_kl_mean_ci_high": kl_high,
+            "recall_tokens": int(counts.sum()), "recall_distance": distance}
 
 
 def summary(per_token: dict, scored: np.ndarray, has_text: bool) -> dict:
@@ -155,10 +213,13 @@ def summary(per_token: dict, scored: np.ndarray, has_text: bool) -> dict:
     counts = scored.sum(axis=1)  # [W]
     kl = per_token["kl"][scored]
     kl_mean, kl_low, kl_high = cluster_mean_interval(np.where(scored, per_token["kl"], 0).sum(axis=1), counts)
+    agree, agree_low, agree_high = cluster_mean_interval(np.where(scored, per_token["agree"], 0).sum(axis=1), counts)
+    p99, p99_low, p99_high = cluster_percentile_interval(per_token["kl"], scored, 99)
     columns = {
-        "top1_agreement": float(per_token["agree"][scored].mean()),
+        "top1_agreement": agree, "top1_agreement_ci_low": agree_low, "top1_agreement_ci_high": agree_high,
         "logit_kl_mean": kl_mean, "logit_kl_mean_ci_low": kl_low, "logit_kl_mean_ci_high": kl_high,
-        "logit_kl_p99": float(np.percentile(kl, 99)), "logit_kl_max": float(kl.max()),
+        "logit_kl_p99": p99, "logit_kl_p99_ci_low": p99_low, "logit_kl_p99_ci_high": p99_high,
+        "logit_kl_max": float(kl.max()),
         "accuracy_tokens": int(counts.sum()),
         "perplexity": None, "perplexity_reference": None, "perplexity_delta": None,
         "perplexity_ratio": None, "perplexity_ratio_ci_low": None, "perplexity_ratio_ci_high": None,

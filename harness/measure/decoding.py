@@ -4,15 +4,17 @@ first decode position, name its tokens, and measure how far an approximate strat
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import astuple
 
 import numpy as np
 import torch
 
 from harness.config import Point
-from harness.measure.accuracy import (FED_GREEDY, FED_TEXT, ReferencePasses, Windows, not_measured,
-                                      reference_strategy, teacher_forced)
-from harness.measure.prompts import accuracy_tokens_needed, accuracy_windows, checked_tokens, point_prompt
+from harness.measure.accuracy import (FED_GREEDY, FED_TEXT, RECALL_COLUMNS, ReferencePasses, Windows, not_measured,
+                                      probe_windows, recall_probe, reference_strategy, scored_after, teacher_forced)
+from harness.measure.prompts import (accuracy_tokens_needed, accuracy_windows, checked_tokens, point_prompt,
+                                     recall_windows)
 from harness.model.checkpoint import check_unchanged
 from harness.measure.timing import StepStats, StepTimer
 
@@ -68,11 +70,24 @@ def accuracy(point: Point, strategy, model, references: ReferencePasses | None =
     if point.reference is None:
         return not_measured("no exact reference strategy was chosen for this point")
     windows = accuracy_windows_of(point, model.device)
+    budget = point.strategy.layout.token_budget if point.strategy.layout is not None else 0
+    if not scored_after(windows, budget).scored.any():
+        return not_measured(f"token_budget={budget} is never filled by ctx={point.ctx} + accuracy.steps="
+                            f"{windows.steps} tokens: nothing would be evicted while scored")
     reference = reference_strategy(point.reference)
     key = (point.reference, id(model), point.ctx, astuple(point.accuracy), point.prompt_hash, point.seed)
-    exact = (references if references is not None else ReferencePasses()).get_or_run(
-        key, reference, model, windows, point.accuracy.batch)
-    columns = teacher_forced(strategy, exact, model, windows, point.accuracy.batch)
+    references = references if references is not None else ReferencePasses()
+    exact = references.get_or_run(key, reference, model, windows, point.accuracy.batch)
+    columns = teacher_forced(strategy, exact, model, scored_after(windows, budget), point.accuracy.batch)
+    recall = recall_windows(windows.prompts.cpu().numpy(), point.accuracy.steps)
+    probe = scored_after(probe_windows(recall, model.device), budget) if recall is not None else None
+    if probe is None or not probe.scored.any():
+        columns.update(dict.fromkeys(RECALL_COLUMNS))
+    else:
+        exact_probe = references.get_or_run(key + ("recall",), reference, model, probe, point.accuracy.batch)
+        began = time.perf_counter()
+        columns.update(recall_probe(strategy, exact_probe, model, probe, recall.distance, point.accuracy.batch))
+        columns["accuracy_s"] += time.perf_counter() - began + exact_probe.seconds
     fed = FED_TEXT if windows.targets is not None else FED_GREEDY
     columns["accuracy_reference"] = (f"{reference.name} ({reference.backend}, compute dtype), each scored token one "
                                      f"decode step teacher-forced on {fed}")

@@ -76,3 +76,18 @@ def cluster_mean_interval(totals: Sequence[float], counts: Sequence[int]) -> tup
     tail = (1 - CONFIDENCE) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return mean, float(low), float(high)
+
+
+def cluster_percentile_interval(values: np.ndarray, scored: np.ndarray, q: float) -> tuple[float, float, float]:
+    """The q-th percentile of the scored values [clusters, n] pooled (scored: bool [clusters, n]), and its
+    percentile-bootstrap interval resampling whole clusters (rows), as cluster_mean_interval does for a
+    mean. One cluster: zero width."""
+    rows = [row[mask] for row, mask in zip(np.asarray(values, dtype=np.float64), scored) if mask.any()]
+    point = float(np.percentile(np.concatenate(rows), q))
+    if len(rows) < 2:
+        return point, point, point
+    draws = np.random.default_rng(SEED).integers(0, len(rows), size=(RESAMPLES, len(rows)))
+    estimates = [np.percentile(np.concatenate([rows[i] for i in draw]), q) for draw in draws]
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(estimates, [tail, 100 - tail])
+    return point, float(low), float(high)

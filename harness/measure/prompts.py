@@ -326,3 +326,56 @@ def accuracy_windows(ids: np.ndarray, ctx: int, steps: int, tokens: int, vocab_s
         raise PromptError(f"{name} has token id {int(found.max() if found.max() >= vocab_size else found.min())}, "
                           f"outside the model's vocabulary [0, {vocab_size})")
     return TextWindows(np.stack(prompts), np.stack(fed), np.stack(targets), np.stack(scored))
+
+
+# --- The recall probe: a span of the prompt repeated at a distance (harness.measure.accuracy) --------
+
+RECALL_CUE_TOKENS = 16  # the span's first tokens end the probe's prompt: the cue that points back at it
+RECALL_SPAN_START_SHARE = 16  # the span starts ctx // this into the prompt: past the first tokens (sinks)
+
+
+@dataclass(frozen=True)
+class RecallWindows:
+    """The recall probe over the accuracy pass's prompts: window i prefills prompts[i], whose body is
+    the accuracy prompt's first ctx - cue tokens and whose last cue tokens repeat the body's tokens
+    from `span_start` on; decode step j is fed fed[i, j] and scored on targets[i, j], the span's next
+    tokens. Every scored token stands `distance` positions after its first occurrence, so a cache
+    that dropped that occurrence can only guess it, while an exact cache copies it (induction heads)."""
+
+    prompts: np.ndarray  # [W, ctx] int64
+    fed: np.ndarray  # [W, steps] int64: the span's tokens after the cue
+    targets: np.ndarray  # [W, steps] int64: the token after each fed one, the span's own
+    span_start: int  # position in the prompt of the span's first token
+    distance: int  # positions between a repeated token and its first occurrence
+
+    @property
+    def steps(self) -> int:
+        return self.fed.shape[1]
+
+
+def recall_span_start(ctx: int) -> int:
+    """Where the repeated span starts in a prompt of ctx tokens."""
+    return ctx // RECALL_SPAN_START_SHARE
+
+
+def recall_steps(ctx: int, steps: int) -> int:
+    """Repeat tokens a probe window of ctx scores, at most `steps`: the span (cue, scored tokens and the
+    last target) must lie in the prompt's body, before the cue that ends the prompt. 0: too short."""
+    body = ctx - RECALL_CUE_TOKENS
+    return max(0, min(steps, body - recall_span_start(ctx) - RECALL_CUE_TOKENS - 1))
+
+
+def recall_windows(prompts: np.ndarray, steps: int) -> Optional[RecallWindows]:
+    """The probe built from the accuracy pass's prompts [W, ctx] (the class docstring), scoring at most
+    `steps` tokens a window; None when ctx leaves no room for a span and its repeat."""
+    ctx = prompts.shape[1]
+    count = recall_steps(ctx, steps)
+    if count == 0:
+        return None
+    body, start = ctx - RECALL_CUE_TOKENS, recall_span_start(ctx)
+    span = prompts[:, start : start + RECALL_CUE_TOKENS + count + 1]  # [W, cue + count + 1]
+    probe = np.concatenate([prompts[:, :body], span[:, :RECALL_CUE_TOKENS]], axis=1)  # [W, ctx]
+    return RecallWindows(np.ascontiguousarray(probe, dtype=np.int64),
+                         np.ascontiguousarray(span[:, RECALL_CUE_TOKENS:-1], dtype=np.int64),
+                         np.ascontiguousarray(span[:, RECALL_CUE_TOKENS + 1 :], dtype=np.int64),
+                         span_start=start, distance=body - start)

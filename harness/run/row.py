@@ -7,7 +7,7 @@ import dataclasses
 import json
 from datetime import datetime, timezone
 
-from harness.analysis import analytic
+from harness.analysis import analytic, compression
 from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
@@ -56,6 +56,10 @@ def model_columns(point: Point) -> dict:
         "peak_memory_predicted_bytes": predicted_peak_bytes(point),
         "bytes_per_step_model": round(step.bytes),
         "flops_per_step_model": step.flops,
+        "cache_share_of_step_bytes": compression.cache_share_of_step_bytes(shape, point.dtype, point.batch, point.ctx,
+                                                                            point.decode_tokens, layout),
+        "context_to_match_weights": (compression.context_to_match_weights(shape, point.dtype, point.batch, layout)
+                                     if layout is not None else None),
     }
 
 
