@@ -9,10 +9,14 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from harness.measure.group import GroupRequest, measure_group
+from harness.report.document import Table
+from harness.report.engines import HOW_TO, engine_section
+from harness.run.row import build_row
 from harness.model import build_model
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
@@ -87,7 +91,8 @@ def group(quantized_file, engine_cache):
     points = [point_of(quantized_file, name) for name in names]
     points.append(point_of(quantized_file, "fake_engine", "strategy.kv_type=noisy"))
     rows = measure_group(GroupRequest("peers", tuple(points)))
-    return dict(zip((*names, "noisy"), rows))
+    built = pd.DataFrame([build_row(point, row) for point, row in zip(points, rows)])
+    return {**dict(zip((*names, "noisy"), rows)), "table": built}
 
 
 def test_a_peer_is_a_member_of_the_group_with_its_engine_columns(group):
@@ -129,3 +134,18 @@ def test_a_peer_refuses_random_weights_and_random_prefill_in_one_line(quantized_
     assert refused_by_runner(PLUGIN, "model=tiny", "strategy=fake_engine").startswith("error: model.checkpoint:")
     assert refused_by_runner(PLUGIN, "model=tiny", f"model.checkpoint={quantized_file}", "strategy=fake_engine",
                              "prefill=random").startswith("error: prefill:")
+
+
+def test_the_report_sets_the_engine_beside_the_exact_cache(group):
+    blocks = engine_section(group["table"])
+    tables = [block for block in blocks if isinstance(block, Table)]
+    steps, target, accuracy, not_run = tables
+    assert [row[2] for row in steps.rows] == ["contiguous", "fake_engine"]
+    assert steps.rows[1][3:5] == ["fake", "f32"] and steps.rows[0][7] == "reference"
+    assert target.rows[0][2] == "fake_engine" and target.rows[0][6] in ("harness faster", "harness slower",
+                                                                       "tie (interval covers 1)")
+    assert [row[1] for row in accuracy.rows] == ["fake_engine"]  # scored on the windows, with its agreement
+    assert accuracy.rows[0][8].endswith(f"(≤ {group['fake_engine']['agreement_logit_rel_bound']:g}; "
+                                        f"KL ≤ {group['fake_engine']['agreement_kl_mean_bound']:g})")
+    assert {row[0] for row in not_run.rows} == {"fake_missing_engine", "fake_engine(kv_type=noisy)"}
+    assert engine_section(group["table"].iloc[0:1])[1].text == HOW_TO  # no engine member: how to measure one
