@@ -14,7 +14,7 @@ type under conf/strategy/):
   members must agree with the harness's exact cache: AGREEMENT, checked by harness.measure.agreement),
   and `kernel_text` (the row's `kernel`, {kv_type} filled from the options).
 - Implement `load_problem()` (why the engine's library cannot load here, or None: a skipped row with
-  the engine's own message), `engine_info()` (EngineInfo: version, KV type in its words, the ISA its
+  the engine's own message; called only where `package` is installed), `engine_info()` (EngineInfo: version, KV type in its words, the ISA its
   library was built for, from the engine's own system info; called only after load_problem() said
   None), and `new_session(model, batch, max_len)` returning a DecodeSession that drives the engine:
   `prefill(prompt [B, P]) -> logits [B, V]`, `step(token [B]) -> logits [B, V]` (float32 CPU tensors),
@@ -85,7 +85,7 @@ def engine_backend(package: str, kernel: str) -> Backend:
     """The one Backend a peer declares: the engine's package (installed by the peers extra), checked like
     any backend's package, and its library loading here (PeerStrategy.load_problem)."""
     return Backend(name="engine", kernel=kernel, devices=("cpu",), dtypes=("float32",), package=package,
-                   extra=PEERS_EXTRA, condition=lambda strategy, device: strategy.load_problem())
+                   extra=PEERS_EXTRA, condition=lambda strategy, device: strategy.loads_here())
 
 
 class PeerStrategy(Strategy):
@@ -127,8 +127,14 @@ class PeerStrategy(Strategy):
                                       f"{self.engine}; set model.checkpoint (a GGUF file)", top_level=True)
 
     def load_problem(self) -> str | None:
-        """Why the engine's library cannot load here, in the engine's words; None when it loads."""
+        """Why the engine's library cannot load here, in the engine's words; None when it loads. Called
+        only where the engine's package is installed."""
         return None
+
+    def loads_here(self) -> str | None:
+        """load_problem() where the package is installed; None otherwise (the backend's package need then
+        gives the reason, the pip command)."""
+        return self.load_problem() if _importable(self.package) else None
 
     def engine_info(self) -> EngineInfo:
         raise NotImplementedError
@@ -140,7 +146,7 @@ class PeerStrategy(Strategy):
     def row_columns(self) -> dict:
         columns = {"engine": self.engine, "step_granularity": self.step_granularity,
                    "engine_version": None, "engine_kv_type": self.kv_types[self.kv_type].word, "engine_isa": None}
-        if self.load_problem() is None and _importable(self.package):
+        if _importable(self.package) and self.load_problem() is None:
             info = self.engine_info()
             columns.update(engine_version=info.version, engine_kv_type=info.kv_type, engine_isa=info.isa)
         return columns

@@ -149,3 +149,18 @@ def test_the_report_sets_the_engine_beside_the_exact_cache(group):
                                         f"KL ≤ {group['fake_engine']['agreement_kl_mean_bound']:g})")
     assert {row[0] for row in not_run.rows} == {"fake_missing_engine", "fake_engine(kv_type=noisy)"}
     assert engine_section(group["table"].iloc[0:1])[1].text == HOW_TO  # no engine member: how to measure one
+
+
+def test_llamacpp_without_its_wheel_is_a_skipped_row_naming_the_pip_command(monkeypatch):
+    """Whether or not the wheel is installed here: the module hidden, as on a machine without it."""
+    import sys
+
+    from strategies.backends import StrategyUnavailable
+    from strategies.llamacpp import LlamaCppStrategy
+
+    monkeypatch.setitem(sys.modules, "llama_cpp_py_sync", None)
+    strategy = LlamaCppStrategy(kv_type="q8_0")
+    with pytest.raises(StrategyUnavailable, match=r"pip install -e '\.\[peers\]'"):
+        strategy.kernel(CPU, torch.float32)
+    assert strategy.row_columns() == {"engine": "llama.cpp", "step_granularity": "token", "engine_version": None,
+                                      "engine_kv_type": "q8_0", "engine_isa": None}
