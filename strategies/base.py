@@ -11,6 +11,7 @@ Two objects per strategy:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
 
 import torch
@@ -18,6 +19,16 @@ import torch
 from harness.config import CONTIGUOUS, CacheLayout, ConfigError, ModelConfig
 from harness.model.random_fill import uniform_like_normal_
 from strategies.backends import Backend, StrategyUnavailable, choose
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How close a full-precision engine member must come to the harness's exact cache (stated in its
+    row), checked by harness.measure.agreement: beyond either, the row fails naming the difference
+    (a strategy declares one through Strategy.agreement; the peers of strategies/peer.py do)."""
+
+    logit_rel: float  # first decode step: max |engine - exact logit| / max |exact logit|
+    kl_mean: float  # the accuracy windows: mean KL(exact || engine), nats
 
 
 class StrategyOptionError(ConfigError):
@@ -194,6 +205,16 @@ class Strategy(ABC):
         if self.backend != "auto":
             return self.declared(self.backend)
         return choose(self, model.device, model.dtype, model.cfg)
+
+    def row_columns(self) -> dict:
+        """Columns the strategy reports about itself beyond what the point records (an engine's name,
+        version, KV type in its words: strategies.peer), merged into its row, skipped or not; {} here."""
+        return {}
+
+    def agreement(self) -> Agreement | None:
+        """The bounds within which this strategy must agree with the exact reference before it is timed
+        (harness.measure.agreement), for one not proven exact that claims full precision; None: none."""
+        return None
 
     @abstractmethod
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:

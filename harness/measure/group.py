@@ -34,6 +34,7 @@ from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
+from harness.measure.agreement import NOT_CHECKED, judge_kl
 from harness.measure.decoding import accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
@@ -100,10 +101,11 @@ class _GroupRun:
         process = PeakTracker(self.device)
         process.start()
         self.prime()
+        references = ReferencePasses()  # the exact reference's passes, run once for every member
         ready = 0  # members set up so far: their sessions stay alive through the rounds
         for member in self.members:
             try:
-                member.set_up(*self.model_for(member.point), self.timer, beside=ready)
+                member.set_up(*self.model_for(member.point), self.timer, beside=ready, references=references)
             except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
                 member.fail(error)
             ready += member.live
@@ -112,10 +114,10 @@ class _GroupRun:
         reference = reference_index(self.members)
         outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
                     for i, member in enumerate(self.members)]
-        references = ReferencePasses()  # the exact reference's accuracy pass, run once for every member
         for member, outcome in zip(self.members, outcomes):  # every session freed first: one at a time
             if member.live:
                 outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0], references))
+                outcome.update(judge_kl(outcome, member.strategy))
         return outcomes
 
     def prime(self) -> None:
@@ -158,9 +160,10 @@ class _GroupRun:
         """A member's measured dict (its session freed), the accuracy columns still to come."""
         group = {"group_id": self.request.group_id, "group_size": len(self.members),
                  "device_name": device_name(self.device)}
+        own = {**NOT_CHECKED, **member.columns}  # what the strategy reports of itself, and its agreement
         if not member.live:
-            return {**member.outcome, **group}
-        return {**self._timed_columns(index, member, rounds), **group,
+            return {**member.outcome, **group, **own}
+        return {**self._timed_columns(index, member, rounds), **group, **own,
                 **self._ratio_columns(index, rounds, reference),
                 **self._memory_columns(member, process_baseline),
                 "tokens_digest": tokens_digest(member.tokens()),

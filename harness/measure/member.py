@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 
 from harness.config import Point
+from harness.measure.accuracy import ReferencePasses
+from harness.measure.agreement import Disagreement, check_first_step, reference_first_step
 from harness.measure.compiled import CompiledSteps
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
@@ -48,6 +50,7 @@ class Member:
         self.compiled: CompiledSteps | None = None  # the compiled step, where the point compiles
         self.warmup_steps = 0  # warm-up steps taken at the first decode position
         self.memory: dict = {}  # the member's own peak memory, read over its set-up
+        self.columns: dict = {}  # what the strategy reports of itself (row_columns) and its agreement figures
         self._graphed: GraphedSteps | None = None  # the captured steps, with timing.cuda_graphs
         self._eager_step = None  # session.step or its compiled form: what an eager round calls
         self._next_token: torch.Tensor | None = None  # a graph's output token, read after its replay [B]
@@ -62,12 +65,16 @@ class Member:
                         "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
         self.session = self._graphed = None
 
-    def set_up(self, model, model_bytes: int, timer: StepTimer, beside: int = 0) -> None:
-        """Resolve, build, prefill, compile or capture, warm up; read the member's own peak. On a reason
+    def set_up(self, model, model_bytes: int, timer: StepTimer, beside: int = 0,
+               references: ReferencePasses | None = None) -> None:
+        """Resolve, build, prefill, check agreement where the strategy declares bounds
+        (harness.measure.agreement), compile or capture, warm up; read the member's own peak. On a reason
         not to run, `outcome` becomes the skipped row's dict and nothing is built. `beside`: members of
-        the group set up before this one, whose sessions stay alive beside it."""
+        the group set up before this one, whose sessions stay alive beside it; `references`: the group's
+        exact reference passes, shared."""
         point, device, dtype = self.point, torch.device(self.point.device), getattr(torch, self.point.dtype)
         self.strategy = point.strategy.instantiate()
+        self.columns = self.strategy.row_columns()
         try:
             self.kernel = self.strategy.kernel(device, dtype, point.model)
         except StrategyUnavailable as unavailable:
@@ -80,11 +87,24 @@ class Member:
         if (reason := shortfall(point, beside)) is not None:  # what the members before it left free
             self.outcome = not_run("skipped", reason)
             return
+        bounds = self.strategy.agreement() if point.reference is not None else None
+        exact = reference_first_step(point, model, references if references is not None else ReferencePasses()) \
+            if bounds is not None else None  # before the peak: the reference's tables are not the member's
         peak = PeakTracker(device)
         peak.start()
         generator = torch.Generator(device=device).manual_seed(point.seed)
-        self.session, first_token, self.prefill = start_decode(
-            point, lambda: self.strategy.new_session(model, point.batch, point.max_len), generator, timer)
+        try:
+            self.session, first_token, self.prefill = start_decode(
+                point, lambda: self.strategy.new_session(model, point.batch, point.max_len), generator, timer)
+        except StrategyUnavailable as unavailable:  # a batch or KV type the engine refuses at this point
+            self.outcome = not_run("skipped", str(unavailable))
+            return
+        if exact is not None:
+            try:
+                self.columns.update(check_first_step(point, self.strategy, self.session, first_token, exact))
+            except Disagreement as disagreement:
+                self.columns.update(disagreement.columns)
+                raise
         self.generated = [first_token]
         self.compiled = CompiledSteps(self.session, first_token, device, timer.time) if point.compile != "none" else None
         self.warmup_steps = self._warm_up(timer)

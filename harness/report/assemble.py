@@ -15,6 +15,7 @@ from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.cohorts import SERIES, Cohort, cohorts_of
 from harness.report.compression import compression_section
+from harness.report.engines import engine_section
 from harness.report.kv_formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
@@ -192,6 +193,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         ("Which layout wins where", lambda: layout_section(groups, folder)),
         ("What fewer bytes buy", lambda: format_section(groups, folder)),
         ("What compressing the cache trades", lambda: compression_section(groups, folder)),
+        ("Against the engines", lambda: engine_section(table)),
         ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
         ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group)),
         ("Rows and files not measured", lambda: _not_measured(table)),

@@ -171,6 +171,16 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("recall_kl_mean_ci_high", F, "nats", "high end of recall_kl_mean's 95% interval", "measured"),
     ("recall_tokens", I, "tokens", "repeated tokens the recall probe scored (one probe window per accuracy window)", "measured"),
     ("recall_distance", I, "tokens", "positions between each repeated token and its first occurrence in the prompt: a budget below it must have kept that token by choice, not by recency", "measured"),
+    # an engine measured as a member (strategies/peer.py): what it says of itself, and its agreement
+    ("engine", S, "", "peer members: the engine that decoded (llama.cpp, ...); null for the harness's own strategies", "measured"),
+    ("engine_version", S, "", "peer members: the engine's version, from its library", "measured"),
+    ("engine_kv_type", S, "", "peer members: the KV type in the engine's own words (f16, q8_0, u8 by channel)", "measured"),
+    ("engine_isa", S, "", "peer members: the instruction set the engine's library was built for, from its own system info", "measured"),
+    ("step_granularity", S, "", "peer members: what one timed call covered: token (one decode step through the engine's API) or decode (a whole decode, the engine's own loop)", "measured"),
+    ("agreement_logit_max_abs", F, "logits", "full-precision peers: largest |engine - exact cache| logit of the first decode step on the point's prompt (harness.measure.agreement)", "measured"),
+    ("agreement_logit_rel", F, "", "agreement_logit_max_abs over the exact cache's largest |logit|", "measured"),
+    ("agreement_logit_rel_bound", F, "", "the bound agreement_logit_rel must stay within, else the row fails untimed", "measured"),
+    ("agreement_kl_mean_bound", F, "nats", "the bound logit_kl_mean over the accuracy windows must stay within, else the row fails", "measured"),
     # the analytic model at this point
     ("weight_bytes", I, "B", "bytes of all weights", "model"),
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
