@@ -41,7 +41,7 @@ def ranking_rows(group: Cohort) -> list[list[str]]:
             against = judged.comparisons[series].text() if series in judged.comparisons else "fastest"
             body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(series),
                          step_text(step),
-                         against, fmt.seconds(r.get("analytic_decode_step_s")),
+                         against, fmt.seconds(r.get("predicted_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])
     return body

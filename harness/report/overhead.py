@@ -45,11 +45,11 @@ def unexplained(rows: pd.DataFrame) -> pd.DataFrame:
     """Cached rows with a measured and a roofline step, `share` = 1 - roofline / measured clipped at 0
     (a row below its roof, beyond rounding, is noise, not negative overhead: `faster` flags it) and
     `gap_s`, the time above the roof in seconds."""
-    found = cached_rows(rows).dropna(subset=["decode_step_s", "analytic_decode_step_s"])
+    found = cached_rows(rows).dropna(subset=["decode_step_s", "predicted_step_s"])
     found = found[found["decode_step_s"] > 0]
-    raw = 1.0 - found["analytic_decode_step_s"] / found["decode_step_s"]
+    raw = 1.0 - found["predicted_step_s"] / found["decode_step_s"]
     return found.assign(compile=compile_mode(found), share=raw.clip(lower=0.0), faster=raw < -1e-9,
-                        gap_s=(found["decode_step_s"] - found["analytic_decode_step_s"]).clip(lower=0.0))
+                        gap_s=(found["decode_step_s"] - found["predicted_step_s"]).clip(lower=0.0))
 
 
 def _gemv_sentence(found: pd.DataFrame) -> str:
@@ -80,7 +80,7 @@ def _unexplained_section(groups: list[Cohort]) -> list[Block]:
             continue
         shown = True
         body = [[str(r[SERIES]), str(r["compile"]), fmt.count(r["batch"]), fmt.count(r["ctx"]),
-                 fmt.seconds(r["decode_step_s"]), fmt.seconds(r["analytic_decode_step_s"]),
+                 fmt.seconds(r["decode_step_s"]), fmt.seconds(r["predicted_step_s"]),
                  f"{r['share']:.0%}" + (" (faster than its roof: noisy)" if r["faster"] else ""),
                  f"{r['gap_s'] * 1e3:.3g} ms"] for _, r in found.iterrows()]
         out += [Heading(group.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]

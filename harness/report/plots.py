@@ -235,7 +235,7 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
             allocated.append(row["kv_cache_bytes"])
             peak.append(row.get("peak_memory_bytes"))
             measured_tps.append(row["tokens_per_s"])
-            roofline_tps.append(row["analytic_tokens_per_s"])
+            roofline_tps.append(row["predicted_tokens_per_s"])
     x = np.arange(len(labels))
     measured_tps = floats(measured_tps)
     measured_tps[~(np.isfinite(measured_tps) & (measured_tps > 0))] = np.nan  # a log axis draws no 0

@@ -43,9 +43,9 @@ def rows_table(table: pd.DataFrame) -> Table:
         body.append([
             str(row[SERIES]), str(row["model"]), str(row["dtype"]), str(row["device"]),
             fmt.count(row["batch"]), fmt.count(row["ctx"]), str(row["status"]),
-            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "analytic_decode_step_s")),
+            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "predicted_step_s")),
             fmt.ratio(_get(row, "ratio_decode_step_s")),
-            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "analytic_prefill_s")),
+            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "predicted_prefill_s")),
             fmt.ratio(_get(row, "ratio_prefill_s")),
             bytes_cell, fmt.nbytes(_get(row, "bytes_per_step_model")),
             fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
@@ -124,5 +124,5 @@ def equal_product_table(sets: list[tuple[int, pd.DataFrame]]) -> Table:
             body.append([f"{product:,}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                          f"{fmt.count(at_ctx)} B", fmt.nbytes(r["kv_cache_bytes"]),
                          fmt.nbytes(_get(r, "peak_memory_bytes")), fmt.seconds(r["decode_step_s"]),
-                         fmt.number(r["tokens_per_s"]), fmt.number(r["analytic_tokens_per_s"])])
+                         fmt.number(r["tokens_per_s"]), fmt.number(r["predicted_tokens_per_s"])])
     return Table(header, body, [True] * len(header))
