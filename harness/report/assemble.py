@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.curves import analytic_tables
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
 from harness.report import compare, guard, plots, tables
@@ -178,7 +179,8 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         return blocks + [Paragraph(
             f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
-    groups = cohorts_of(table)
+    analytic = analytic_tables(table)  # the loader's step: every analytic figure beyond the rows' own columns
+    groups = cohorts_of(table, analytic)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
     sections = [("This machine, point by point", lambda: _summary(table, groups))]
     if baseline is not None:
@@ -191,7 +193,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         ("Which layout wins where", lambda: layout_section(groups, folder)),
         ("What fewer bytes buy", lambda: format_section(groups, folder)),
         ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
-        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group)),
+        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic)),
         ("Rows and files not measured", lambda: _not_measured(table)),
     ]
     for heading, build in sections:

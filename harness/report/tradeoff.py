@@ -20,7 +20,6 @@ from typing import Optional
 
 import pandas as pd
 
-from harness.analysis import analytic
 from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval
 from harness.report import units as fmt
@@ -97,7 +96,7 @@ class VariantPoint:
     ctx: int
     accuracy_ctx: int  # the context its scored tokens follow (the point's ctx where not recorded)
     accuracy_steps: int  # decode steps the scored tokens span (the point's decode_tokens where not recorded)
-    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (analytic.kv_bytes_per_token_held)
+    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the analytic tables: harness.analysis.curves)
     bytes_ratio: float  # ÷ the reference's bytes per token
     step: Optional[Comparison]  # this step ÷ the reference's; None for the reference itself or a noisy row
     noisy: bool  # the row's times are not to be trusted (its accuracy still is)
@@ -163,12 +162,10 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
     for _, row in cached.iterrows():
         if (row["batch"], row["ctx"]) not in points:
             continue
-        tokens, layout = int(row["ctx"] + row["decode_tokens"]), group.layouts[row[SERIES]]
-        per_token = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, layout)
-        reference_per_token = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, group.layouts[reference])
+        tokens = int(row["ctx"] + row["decode_tokens"])
+        per_token, reference_per_token = (group.held_at(one, tokens) for one in (row[SERIES], reference))
         steps = max(int(row["decode_tokens"]), 1)
-        seconds = [analytic.mean_decode_step(group.shape, group.dtype, int(row["batch"]), int(row["ctx"]), steps,
-                                             one, group.roof).seconds for one in (layout, group.layouts[reference])]
+        seconds = [group.at(one, row["batch"], row["ctx"], "predicted_step_s") for one in (row[SERIES], reference)]
         mine_is_reference = row[SERIES] == reference
         accuracy_ctx, accuracy_steps = value(row, "accuracy_ctx"), value(row, "accuracy_steps")
         found.append(VariantPoint(
@@ -211,7 +208,7 @@ def front_points(group: Cohort, points: list[VariantPoint]) -> list[FrontPoint]:
         measured = [p for (c, _), p in sorted(best.items()) if c == ctx]
         tokens = ctx + max(p.accuracy_steps for p in measured)  # every variant compared at one length
         for p in measured + list(exact.values()):
-            held = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, group.layouts[p.series])
+            held = group.held_at(p.series, tokens)
             found.append(FrontPoint(p.series, ctx, held, p.accuracy))
     return found
 
