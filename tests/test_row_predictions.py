@@ -101,3 +101,23 @@ def test_a_datasheet_predicts_every_row_again(tmp_path):
     assert set(own["roof_source"]) == {"measured"} and set(again["roof_source"]) == {"datasheet"}
     assert (again["predicted_step_s"] < own["predicted_step_s"]).all()  # an H100 beside a 2-core CPU
     assert (again["bytes_per_step_model"] == own["bytes_per_step_model"]).all()  # roof-free: the row's own
+
+
+def test_the_report_names_rows_read_twice_and_the_baselines_unread_files(tmp_path):
+    from harness.report.assemble import build_report
+    folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64,), row_roofs=True)
+    first = next(folder.glob("contiguous*.parquet"))
+    shutil.copy(first, folder / f"copy-{first.name}")
+    baseline = write_results(tmp_path / "b", batches=(1,), contexts=(64,), row_roofs=True)  # awkward: a corrupt file
+    text = Path(build_report(folder, baseline=baseline).markdown).read_text()
+    assert "Rows read more than once, counted once" in text and f"copy-{first.name}" in text
+    assert "of the baseline folder are not rows" in text and "corrupt.parquet" in text
+
+
+def test_suggested_commands_name_a_checkpoint_by_its_file_not_as_a_preset(tmp_path):
+    from harness.report.cohorts import cohorts_of
+    folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64,), row_roofs=True)
+    table = load(folder)
+    assert cohorts_of(table)[0].model_key == "model=cpu_small"  # a preset
+    table["model"], table["checkpoint"] = "SmolLM2-135M-Instruct.Q4_1", "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert cohorts_of(table)[0].model_key == "model.checkpoint=/models/SmolLM2-135M-Instruct.Q4_1.gguf"

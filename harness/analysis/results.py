@@ -141,14 +141,12 @@ def _present(value) -> bool:
 
 def layout_of(row) -> CacheLayout | None:
     """The cache layout recorded in a row's cache_* columns (None: the strategy keeps no cache)."""
-    if "caches_kv" in row.index and not _present(row["caches_kv"]):
-        return None
-    if "caches_kv" in row.index and not bool(row["caches_kv"]):
+    if not _present(row["caches_kv"]) or not bool(row["caches_kv"]):
         return None
     values = {}
     for field in dataclasses.fields(CacheLayout):
         column = f"{CacheLayout.ROW_PREFIX}{field.name}"
-        if column in row.index and _present(row[column]):
+        if _present(row[column]):
             values[field.name] = type(field.default)(row[column])
     return CacheLayout(**values)
 

@@ -91,7 +91,7 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
         b = int(batches[0])
         out.append(Paragraph(
             "No two rows of one cached strategy share batch × ctx here. A sweep with such pairs: "
-            f"`python -m harness.run -m model={group.model} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
+            f"`python -m harness.run -m {group.model_key} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
             f"batch={b},{4 * b} ctx=256,1024 device={group.device} dtype={group.dtype}` "
             f"({b} × 1024 = {4 * b} × 256)."))
     return out
@@ -117,6 +117,10 @@ def _not_measured(table: pd.DataFrame) -> list[Block]:
     skipped = table.attrs.get("skipped_files", [])
     out.append(Heading("Files in the results folder that are not rows", 3))
     out.append(tables.skipped_files_table(skipped) if skipped else Paragraph("None: every file was a readable row."))
+    duplicates = table.attrs.get("duplicates", [])
+    if duplicates:  # a copied file, or a folder named twice: each row counts once
+        out += [Heading("Rows read more than once, counted once", 3), Table(
+            ["point_key", "read from"], [[key, ", ".join(f"`{f}`" for f in files)] for key, files in duplicates])]
     problems = table.attrs.get("calibration_problems", [])
     if problems:
         out += [Heading("Calibration files that could not be read", 3), tables.skipped_files_table(problems)]

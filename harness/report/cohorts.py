@@ -13,6 +13,7 @@ import pandas as pd
 
 from harness.analysis.curves import LINE_KEYS, AnalyticTables, analytic_tables
 from harness.analysis.results import SERIES
+from harness.config.paths import config_dir
 
 # The linear-layer kernel is a measurement condition like the dtype: aten, oneDNN and C rows of the same
 # point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
@@ -28,7 +29,7 @@ class Cohort:
     model: str  # preset name
     device: str  # cpu | cuda
     dtype: str  # float32 | bfloat16 | float16
-    matmul_kernel: str  # linear-layer kernel of the rows ("" for rows written before it was recorded)
+    matmul_kernel: str  # linear-layer kernel of the rows ("" where none of them recorded one)
     device_name: str  # processor or GPU model of the rows
     roof_flops: float  # the FLOP roof the predictions of these rows use, FLOP/s
     roof_bandwidth: float  # the read roof the predictions of these rows use, B/s
@@ -72,6 +73,16 @@ class Cohort:
         matmul = f"_{self.matmul_kernel.split('.')[0]}" if self.matmul_kernel else ""
         machine = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()[:40]
         return f"{self.model}_{self.device}_{machine}_{self.dtype}{matmul}"
+
+    @property
+    def model_key(self) -> str:
+        """The model as a command line names it: `model=<preset>` where the rows' model is a preset of
+        conf/model/, else `model.checkpoint=<the file or folder the rows read>` (a checkpoint's rows are
+        named after its file, which is no preset)."""
+        if (config_dir() / "model" / f"{self.model}.yaml").is_file():
+            return f"model={self.model}"
+        checkpoints = self.rows["checkpoint"].dropna()
+        return f"model.checkpoint={checkpoints.iloc[0]}" if len(checkpoints) else f"model={self.model}"
 
     def strategies(self) -> list[str]:
         """The strategies of the group's ok rows: the recompute reference first, then by name."""

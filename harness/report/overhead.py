@@ -35,9 +35,7 @@ GPU_CAUSES = ("On a GPU it is usually kernel launches and the host's Python betw
 
 
 def compile_mode(rows: pd.DataFrame) -> pd.Series:
-    """Each row's compile mode; rows written before the column existed ran eager (null reads as none)."""
-    if "compile" not in rows:
-        return pd.Series(EAGER, index=rows.index)
+    """Each row's compile mode (a row that did not run records none: eager)."""
     return rows["compile"].fillna(EAGER).astype(str)
 
 
@@ -137,11 +135,11 @@ def _compiled_section(groups: list[Cohort]) -> list[Block]:
                 Paragraph(f"Median speedup: {fmt.ratio(found['speedup'].median())} over {len(found)} point(s).")]
     if not shown:
         first = groups[0] if groups else None
-        model, device = (first.model, first.device) if first else ("<model>", "<device>")
+        model, device = (first.model_key, first.device) if first else ("model=<model>", "<device>")
         cached = (first.plain_cache_strategy_name() if first else None) or "<a compilable cached strategy>"
         out.append(Paragraph(
             "No point here ran both eager and compiled; a sweep that does: "
-            f"`python -m harness.run -m model={model} strategy={cached} compile={EAGER},{COMPILED} "
+            f"`python -m harness.run -m {model} strategy={cached} compile={EAGER},{COMPILED} "
             f"batch=1,4 ctx=256,1024 device={device}`."))
     return out
 

@@ -33,9 +33,9 @@ def cacheable(ref: dict, table: pd.DataFrame) -> list[Block]:
         "can be kept. A query is used only by the step that creates it: the next step needs the next "
         "token's query, which did not exist before. If caching were inexact, the cached strategies would "
         "generate different tokens from the reference (`no_cache`), which recomputes everything from the token ids.")]
-    ok = table[(table["status"] == "ok")] if "status" in table else table
-    references = reference_rows(ok) if "caches_kv" in ok else ok.iloc[0:0]
-    if "tokens_digest" not in ok or references.empty:
+    ok = table[(table["status"] == "ok")]
+    references = reference_rows(ok)
+    if references.empty:
         return out + [Paragraph("**Measured:** no rows of the recompute reference with token digests here, so "
                                 "nothing to compare.")]
     keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens", "prefill"]

@@ -77,8 +77,6 @@ def accuracy_of(row) -> Accuracy:
     if flag(row, "exact"):
         return Accuracy(exact=True)
     perplexity = interval(row, "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high")
-    if perplexity is None and value(row, "perplexity") is not None and value(row, "perplexity_reference"):
-        perplexity = Interval(*[value(row, "perplexity") / value(row, "perplexity_reference")] * 3)  # older rows
     tokens = value(row, "accuracy_tokens")
     return Accuracy(exact=False, kl=interval(row, "logit_kl_mean", "logit_kl_mean_ci_low", "logit_kl_mean_ci_high"),
                     kl_p99=value(row, "logit_kl_p99"), kl_max=value(row, "logit_kl_max"),
@@ -115,8 +113,8 @@ def ran_rows(group: Cohort) -> pd.DataFrame:
 def narrow_or_approximate(rows: pd.DataFrame) -> pd.DataFrame:
     """Cached rows stored below the compute dtype's width or not exact: the variants that trade accuracy."""
     cached = cached_rows(rows)
-    bits = cached["cache_value_bits"].fillna(0) > 0 if "cache_value_bits" in cached else False
-    approximate = ~cached["exact"].fillna(True).astype(bool) if "exact" in cached else False
+    bits = cached["cache_value_bits"].fillna(0) > 0
+    approximate = ~cached["exact"].fillna(True).astype(bool)
     return cached[bits | approximate]
 
 

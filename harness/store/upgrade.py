@@ -22,12 +22,20 @@ def _to_version_1(rows: pd.DataFrame, old: pd.Series) -> None:
     """Version 0 (before 2026-12) to 1: the prediction columns were added (left null, for the loader's
     re-prediction), and columns added over version 0's life read as what they meant before they
     existed: default pages, eager (no compile), the variant's class is the strategy itself, seeded
-    random weights."""
+    random weights, the accuracy scored after the point's own ctx, and a perplexity ratio (without an
+    interval) from the two perplexities where only they were recorded."""
     for column, before in (("hugepages", False), ("compile", "none"), ("weights", "random")):
         if column in rows:
             rows.loc[old & rows[column].isna(), column] = before
     if "strategy_family" in rows and "strategy" in rows:
         rows.loc[old & rows["strategy_family"].isna(), "strategy_family"] = rows["strategy"]
+    scored = old & rows["logit_kl_mean"].notna() & rows["accuracy_ctx"].isna()
+    rows.loc[scored, "accuracy_ctx"] = rows.loc[scored, "ctx"]
+    perplexities = pd.to_numeric(rows["perplexity"], errors="coerce") / pd.to_numeric(
+        rows["perplexity_reference"], errors="coerce").where(lambda p: p != 0)
+    alone = old & rows["perplexity_ratio"].isna() & perplexities.notna()
+    for column in ("perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high"):
+        rows.loc[alone, column] = perplexities[alone]
 
 
 STEPS = {0: _to_version_1}  # version -> the function bringing its rows to the next version
@@ -35,10 +43,7 @@ STEPS = {0: _to_version_1}  # version -> the function bringing its rows to the n
 
 def upgrade(rows: pd.DataFrame) -> pd.DataFrame:
     """rows, of any versions at once, brought to SCHEMA_VERSION; every schema column present (a copy)."""
-    rows = rows.copy()
-    for field in SCHEMA:
-        if field.name not in rows:
-            rows[field.name] = pd.Series([None] * len(rows), index=rows.index, dtype=_pandas_dtype(field.type))
+    rows = complete(rows)
     version = pd.to_numeric(rows["schema_version"], errors="coerce").fillna(0).astype(int)
     for step_from in sorted(STEPS):
         old = version <= step_from
@@ -46,6 +51,13 @@ def upgrade(rows: pd.DataFrame) -> pd.DataFrame:
             STEPS[step_from](rows, old)
     rows["schema_version"] = pd.array([SCHEMA_VERSION] * len(rows), dtype="Int64")
     return rows
+
+
+def complete(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows (a copy) with every column of today's schema, those it lacks null with their schema type."""
+    missing = {field.name: pd.Series([None] * len(rows), index=rows.index, dtype=_pandas_dtype(field.type))
+               for field in SCHEMA if field.name not in rows}
+    return pd.concat([rows, pd.DataFrame(missing, index=rows.index)], axis=1) if missing else rows.copy()
 
 
 def _pandas_dtype(arrow_type: pa.DataType):
