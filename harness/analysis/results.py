@@ -87,7 +87,7 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
 def _read_one(path: Path) -> tuple[pa.Table | None, str]:
     """(the file's rows, "") or (None, why it is not read as rows)."""
     try:
-        table = pq.read_table(path)
+        table = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs twice the read of a one-row file
     except Exception as error:  # pyarrow raises several types for a damaged file
         return None, f"corrupt Parquet: {first_line(error, typed=False)}"
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
@@ -167,6 +167,7 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
     names = rows["device_name"].where(rows["device_name"].fillna("") != "", rows["device"]).astype(str)
     rows["roof_description"] = ("measured: calibrated roofs recorded in the rows (" + names + ")").where(recorded)
     roofs: dict = {}  # a row's roof depends on these alone: found once per kind of row
+    predicted, failed = {}, {}
     for index in rows.index[~recorded]:
         row = rows.loc[index]
         folder = row.get("source_dir", results_dir)
@@ -181,13 +182,18 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
             figures = predict(shape_of(row), str(row["dtype"]), int(row["batch"]), int(row["ctx"]),
                               int(row["decode_tokens"]), layout_of(row), row_roof.roof)
         except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
-            rows.loc[index, ["roof_source", "roof_description"]] = [
-                "none", f"no prediction: {first_line(error, typed=False)}"]
+            failed[index] = {"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"}
             continue
-        for column in AT_A_ROOF + tuple(c for c in ROOF_FREE if not _present(row[c])):  # measured rows' own stand
-            rows.at[index, column] = figures[column]
-        rows.loc[index, ["roof_flops_used", "roof_bandwidth_used", "roof_source", "roof_description"]] = [
-            row_roof.roof.flops_per_s, row_roof.roof.bytes_per_s, row_roof.source, row_roof.description]
+        own = {c: row[c] for c in ROOF_FREE if _present(row[c])}  # a row's own roof-free figures stand
+        predicted[index] = {**figures, **own, "roof_flops_used": row_roof.roof.flops_per_s,
+                            "roof_bandwidth_used": row_roof.roof.bytes_per_s, "roof_source": row_roof.source,
+                            "roof_description": row_roof.description}
+    for found in (predicted, failed):  # written in one assignment per column: a row at a time is slow
+        if found:
+            found = pd.DataFrame.from_dict(found, orient="index")
+            for column in found.columns:
+                rows[column] = rows[column].astype(object)
+                rows.loc[found.index, column] = found[column]
     for column in AT_A_ROOF + ROOF_FREE:
         if column != "roof_bound":
             rows[column] = pd.to_numeric(rows[column], errors="coerce")
