@@ -241,9 +241,8 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
         _write_whole(files.markdown, to_markdown(blocks))
-        rows_table = next((b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]), None)
-        if rows_table is not None:
-            _write_whole(files.csv, pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(index=False))
+        if not table.empty:  # rendered from the rows, as the Markdown table is: numbers, under the columns' names
+            _write_whole(files.csv, tables.rows_csv(table))
         _write_whole(files.html, to_html(blocks, TITLE))
     except OSError as error:
         raise ReportError(f"{key}: cannot write the report to '{folder}': {error.strerror or error}") from None
