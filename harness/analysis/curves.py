@@ -1,7 +1,7 @@
 """The analytic figures a report draws beside the rows that no single row holds, computed once, as data:
 the predicted step along a grid of contexts (the plots' lines), bytes per token held at the lengths the
 rows' accuracy was scored at, each shape's bytes per token and weights, the published shapes' table,
-and the questions' reference workload (Llama 3 70B on an H100's datasheet).
+and the questions' example workload (Llama 3 70B on an H100's datasheet).
 
 The report never calls the analytic model (an import-linter contract says so): what it needs of a row
 is the row's own prediction columns, and what it needs beyond the rows is here, built by
@@ -34,7 +34,7 @@ class AnalyticTables:
     held: pd.DataFrame  # model, dtype, series, tokens -> kv_bytes_per_token_held
     shapes: dict  # (model, dtype) -> {kv_bytes_per_token, weight_bytes, tokens_to_match_weights}
     published: pd.DataFrame  # every preset of conf/model/ in float32 and bfloat16: kv_bytes_per_token, weight_bytes, tokens_to_match_weights
-    reference: dict  # the questions' reference workload: named figures (see reference_figures)
+    workload: dict  # the questions' example workload: named figures (see workload_figures)
 
 
 def context_grid(ctxs) -> np.ndarray:
@@ -104,8 +104,8 @@ def published() -> pd.DataFrame:
                          for dtype in ("float32", "bfloat16")])
 
 
-def reference_figures() -> dict:
-    """The questions' reference workload and what the analytic model says of it: Llama 3 70B in bf16 on
+def workload_figures() -> dict:
+    """The questions' example workload and what the analytic model says of it: Llama 3 70B in bf16 on
     an H100 SXM's datasheet roof, batch 1, a 4,096-token prompt, 512 decode steps."""
     shape, dtype, hardware = model_preset("llama3_70b"), "bfloat16", "h100_sxm"
     roof, p, steps, long = load_hardware(hardware).roof(dtype), 4096, 512, 32768
@@ -145,4 +145,4 @@ def analytic_tables(rows: pd.DataFrame) -> AnalyticTables:
         except (ValueError, TypeError):  # a row whose shape cannot be read has no prediction either
             continue
     return AnalyticTables(lines=_lines(rows), held=_held(rows), shapes=shapes, published=published(),
-                          reference=reference_figures())
+                          workload=workload_figures())

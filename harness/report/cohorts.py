@@ -19,7 +19,7 @@ from harness.config.paths import config_dir
 # point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
 # A group is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
 # drawn on one axis, each group has its own roofs.
-GROUP_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
+COHORT_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
 
 
 @dataclass
@@ -150,7 +150,7 @@ def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> l
     analytic = analytic or analytic_tables(table)
     found = []
     table = _with_usual_conditions(table)
-    for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(GROUP_KEYS, sort=True):
+    for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(COHORT_KEYS, sort=True):
         predicted = rows[rows["roof_flops_used"].notna()]
         if predicted.empty:
             continue

@@ -17,7 +17,7 @@ from harness.report.document import Block, Bullets, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
 from harness.report.plots import measured_ratio
 
-# `ref`: the reference workload's figures, harness.analysis.curves.reference_figures (a dict of named
+# `ref`: the example workload's figures, harness.analysis.curves.workload_figures (a dict of named
 # numbers, computed by the loader's step: this module does no arithmetic of the model).
 
 
@@ -220,7 +220,7 @@ def equal_batch_tokens(ref: dict, groups: list[Cohort], sets_by_group: dict) -> 
 def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict, analytic) -> list[Block]:
     """Every answer, each built on its own (harness.report.guard): one that fails costs only itself.
     `analytic`: the loader's harness.analysis.curves.AnalyticTables."""
-    ref = analytic.reference
+    ref = analytic.workload
     out: list[Block] = [
         Heading("What a KV cache buys and costs: the questions, answered"),
         Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref['batch']}, a {ref['ctx']:,}-token prompt "
