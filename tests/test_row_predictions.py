@@ -150,3 +150,20 @@ def test_reading_many_one_row_files_is_not_a_pandas_read_per_file(tmp_path):
             assert len(read(tmp_path) if read is load else read()) == n
             best[read] = min(best[read], time.perf_counter() - start)
     assert best[load] < 0.75 * best[one_at_a_time], best
+
+
+def test_a_run_whose_rows_were_all_noisy_does_not_say_nothing_was_timed_together(tmp_path):
+    from harness.report.assemble import build_report
+    folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64, 256), row_roofs=True)
+    for path in folder.glob("*.parquet"):
+        frame = pq.read_table(path).to_pandas()
+        frame["noisy"], frame["noise_reason"] = True, "other processes took 76% of the CPUs"
+        pq.write_table(pa_table(frame), path)
+    text = Path(build_report(folder).markdown).read_text()
+    assert "No two strategies were timed in the same rounds here" not in text
+    assert "noisy row(s) are left out" in text
+
+
+def pa_table(frame):
+    import pyarrow as pa
+    return pa.Table.from_pandas(frame, preserve_index=False)

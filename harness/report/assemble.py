@@ -133,9 +133,9 @@ def _summary(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
         "One line per point: the fastest cache where its 95% interval clears the next one's, else a tie "
         "(`apart`: compared across runs, not round by round); what the plain cache saves against recomputing, "
         "in time and in FLOPs (far larger: a cached step waits on bytes); peak memory split."),
-        summary_table(groups, verdicts),
-        resolution_paragraph(verdicts)]
-    noisy = int(table["noisy"].fillna(False).astype(bool).sum()) if "noisy" in table else 0
+        summary_table(groups, verdicts)]
+    noisy = int(table["noisy"].fillna(False).astype(bool).sum())
+    blocks.append(resolution_paragraph(verdicts, noisy))
     if noisy:
         blocks.append(Paragraph(
             f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
