@@ -5,15 +5,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 
 from harness.report.kv_formats import RANDOM_WEIGHTS_WARNING, weights_note
 from harness.report.tradeoff import accuracy_of
+from harness.store.upgrade import upgrade
 
 QUANTIZED = {"status": "ok", "decode_step_s": 1e-3, "caches_kv": True, "cache_value_bits": 8}
 
 
 def note(*rows: dict) -> str:
-    return weights_note(SimpleNamespace(rows=pd.DataFrame([{**QUANTIZED, **row} for row in rows])))
+    """The note for rows as the loader reads them (harness.store.upgrade: a row without `weights` was
+    written before the column, with seeded random weights)."""
+    return weights_note(SimpleNamespace(rows=upgrade(pd.DataFrame([{**QUANTIZED, **row} for row in rows]))))
 
 
 def test_random_weights_carry_the_warning():
@@ -38,7 +42,8 @@ def test_a_group_mixing_both_says_so():
 
 
 def test_rows_without_a_perplexity_ratio_give_one_from_both_perplexities_without_interval():
-    older = pd.Series({"exact": False, "perplexity": 12.6, "perplexity_reference": 12.0})
-    ratio = accuracy_of(older).perplexity
-    assert (ratio.median, ratio.low, ratio.high) == (1.05, 1.05, 1.05)
-    assert accuracy_of(pd.Series({"exact": False, "perplexity": None, "perplexity_reference": None})).perplexity is None
+    older = upgrade(pd.DataFrame([{"exact": False, "perplexity": 12.6, "perplexity_reference": 12.0},
+                                  {"exact": False, "perplexity": None, "perplexity_reference": None}]))
+    ratio = accuracy_of(older.iloc[0]).perplexity
+    assert (ratio.median, ratio.low, ratio.high) == pytest.approx((1.05, 1.05, 1.05))
+    assert accuracy_of(older.iloc[1]).perplexity is None

@@ -52,7 +52,7 @@ def test_report_writes_markdown_html_and_plots(report):
     assert files.markdown == folder / "_report" / "report.md" and files.markdown.is_file()
     assert files.html == folder / "_report" / "index.html" and files.html.is_file()
     assert len(files.figures) == 6  # step time, no cache / cache, cache bytes, prefill / decode, peak memory, equal b x t
-    assert files.csv.is_file() and files.csv.read_text().startswith("strategy,model,")
+    assert files.csv.is_file() and files.csv.read_text().startswith("series,strategy,model,")
     for png in files.figures:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png.name})" in files.markdown.read_text()
@@ -150,7 +150,7 @@ def test_the_report_leads_with_this_machine_and_lists_rows_that_did_not_run_apar
     assert text.index("## Measured against predicted") < text.index("## What a KV cache buys and costs")
     table = text.split("## Every row beside its prediction")[1].split("\n## ")[0]
     assert "| skipped |" not in table and "| failed |" not in table  # those are listed apart, with reasons
-    assert "bytes/step (source)" in table and "| ratio |" in table
+    assert "bytes/step (source)" in table and "| step ÷ roofline |" in table
     assert "max-height" not in files.html.read_text()  # a plain table: screenshots and print keep every row
 
 
@@ -161,7 +161,8 @@ def test_every_row_sets_its_measured_peak_beside_the_memory_models(report):
     assert (ok.peak_memory_predicted_bytes > ok.weight_bytes).all()
     assert ((ok.ratio_peak_memory_bytes - ok.peak_memory_bytes / ok.peak_memory_predicted_bytes).abs() < 1e-12).all()
     header = next(line for line in files.markdown.read_text().splitlines() if line.startswith("| strategy | model |"))
-    assert "| peak memory | peak predicted | ratio |" in header
+    assert "| peak memory | peak predicted | peak ÷ predicted |" in header
+    assert len(set(header.split("|"))) == len(header.split("|")) - 1  # every column named apart (the ends are '')
 
 
 def test_the_first_table_names_the_linear_kernel_of_each_point(report):

@@ -50,20 +50,20 @@ def test_unexplained_share_is_one_minus_roofline_over_measured(tmp_path):
     found = unexplained(cohorts_of(table)[0].ok)
     assert len(found) == 4 and found["caches_kv"].all()  # cached rows only: the reference is not there
     r = found.iloc[0]
-    assert r["share"] == pytest.approx(1 - r["analytic_decode_step_s"] / r["decode_step_s"])
+    assert r["share"] == pytest.approx(1 - r["predicted_step_s"] / r["decode_step_s"])
     assert r["share"] == pytest.approx(1 - 1 / SLOWDOWN[r["strategy"]])  # the fixture's 2x: half unexplained
     text = build_report(tmp_path / "r", out_dir=tmp_path / "out").markdown.read_text()
     section = _section(text, "What the roofline does not explain")
     assert "Median unexplained share: 50% of the step, over 4 point(s)." in section
     assert "dispatch" in section and "| 50% |" in section
-    assert f"| {(r['decode_step_s'] - r['analytic_decode_step_s']) * 1e3:.3g} ms |" in section
+    assert f"| {(r['decode_step_s'] - r['predicted_step_s']) * 1e3:.3g} ms |" in section
 
 
 def test_a_row_faster_than_its_roof_is_clipped_at_zero_and_called_noisy(tmp_path):
     table = load(write_results(tmp_path / "r", **POINTS))
     cached = table["caches_kv"].fillna(False).astype(bool) & (table["status"] == "ok")
     first = cached[cached].index[0]
-    table.loc[first, "decode_step_s"] = table.loc[first, "analytic_decode_step_s"] / 2
+    table.loc[first, "decode_step_s"] = table.loc[first, "predicted_step_s"] / 2
     found = unexplained(cohorts_of(table)[0].ok)
     assert found["share"].min() == 0 and found["faster"].sum() == 1
     text = "\n".join(getattr(b, "text", "") for b in overhead_section(cohorts_of(table), tmp_path))

@@ -1,32 +1,42 @@
-"""Read a results folder into one DataFrame, every row joined with its analytic prediction.
+"""Read a results folder into one DataFrame: every row brought to today's schema, with its predictions.
 
     df = harness.analysis.results.load("results")
-    df[["strategy", "ctx", "decode_step_s", "analytic_decode_step_s", "ratio_decode_step_s"]]
+    df[["strategy", "ctx", "decode_step_s", "predicted_step_s", "ratio_decode_step_s"]]
     df.attrs["skipped_files"]  # [(path, reason), ...]: corrupt or foreign files, not read
+    df.attrs["duplicates"]  # [(point_key, files), ...]: one point read from several files, kept once
 
-Each `*.parquet` file at the top level of the folder is read on its own, so one corrupt or foreign file
-is named and skipped instead of failing the whole read (`pandas.read_parquet(folder)` would raise).
-Names starting with '_' or '.' (the report, Hydra's logs, the calibration) are never rows.
+Every `*.parquet` file at the top level of the folder is read, in threads, and checked on its own, so one
+corrupt or foreign file is named and skipped instead of failing the whole read. Names starting with '_'
+or '.' (the report, Hydra's logs, the calibration) are never rows. Rows of an older schema_version are
+brought up to date by harness.store.upgrade.
 
-The analytic columns (analytic_*, ratio_*, roof_*) are documented in docs/report.md. `load` accepts
-several folders (rows of several hosts or devices) and reads them as one table.
+The predictions (predicted_step_s, predicted_prefill_s, roof_bound, bytes and FLOPs per step, ...) are
+the row's own columns, written by the run at its calibrated roofs (harness.analysis.predictions). This
+module's one re-prediction step, `add_predictions`, fills them only where a row has none (no
+calibration, or written before the columns existed), at a calibration file of the folder or a
+datasheet; `load(..., datasheet=NAME)` predicts every row again at that datasheet's roofs ("what would
+these rows be set against on an H100?"). The ratio columns (ratio_*) and roof_*_used are documented in
+docs/report.md. `load` accepts several folders (rows of several hosts or devices) as one table.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from harness.analysis import analytic
 from harness.analysis.analytic import Roof
+from harness.analysis.predictions import AT_A_ROOF, ROOF_FREE, predict
 from harness.analysis.hardware import HardwareError, datasheet_for_device_name, load_hardware
 from harness.config import CacheLayout, ModelConfig
 from harness.config.validate import first_line
 from harness.store import calibration
+from harness.store.upgrade import upgrade
 
 # Columns a file must have to be read as a harness row (the rest may be missing in older rows).
 REQUIRED_COLUMNS = (
@@ -46,31 +56,44 @@ class RowRoof:
 
 
 def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
-    """All rows of the folder's Parquet files, and the entries that were not read (path, reason)."""
+    """All rows of the folder's Parquet files, as written (harness.store.upgrade brings them up to
+    date), and the entries that were not read (path, reason). The files are read in threads (pyarrow
+    releases the GIL) and joined as one Arrow table, converted to pandas once: a folder of thousands
+    of one-row files reads in seconds rather than minutes."""
     folder = Path(results_dir)
-    frames, skipped = [], []
+    paths, skipped = [], []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
         if path.name.startswith(("_", ".")):
             continue
         if path.is_dir():
             skipped.append((str(path), "a folder: not read (pandas.read_parquet on the results folder would read it as a partition)"))
-            continue
-        if path.suffix != ".parquet":
+        elif path.suffix != ".parquet":
             skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
-            continue
-        try:
-            frame = pq.read_table(path).to_pandas()
-        except Exception as error:  # pyarrow raises several types for a damaged file
-            skipped.append((str(path), f"corrupt Parquet: {first_line(error, typed=False)}"))
-            continue
-        missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
-        if missing:
-            skipped.append((str(path), f"not a harness row: missing columns {', '.join(missing)}"))
-            continue
-        frame["source_file"] = path.name
-        frames.append(frame)
-    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"])
-    return rows, skipped
+        else:
+            paths.append(path)
+    tables = []
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for path, (table, why) in zip(paths, pool.map(_read_one, paths)):
+            if table is None:
+                skipped.append((str(path), why))
+            else:
+                tables.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
+    if not tables:
+        return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
+    joined = pa.concat_tables(tables, promote_options="permissive")  # older files lack newer columns
+    return joined.to_pandas(), skipped
+
+
+def _read_one(path: Path) -> tuple[pa.Table | None, str]:
+    """(the file's rows, "") or (None, why it is not read as rows)."""
+    try:
+        table = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs twice the read of a one-row file
+    except Exception as error:  # pyarrow raises several types for a damaged file
+        return None, f"corrupt Parquet: {first_line(error, typed=False)}"
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        return None, f"not a harness row: missing columns {', '.join(missing)}"
+    return table.replace_schema_metadata(None), ""  # pandas metadata of one file would rename another's index
 
 
 def shape_of(row) -> ModelConfig:
@@ -118,37 +141,66 @@ def _present(value) -> bool:
 
 def layout_of(row) -> CacheLayout | None:
     """The cache layout recorded in a row's cache_* columns (None: the strategy keeps no cache)."""
-    if "caches_kv" in row.index and not _present(row["caches_kv"]):
-        return None
-    if "caches_kv" in row.index and not bool(row["caches_kv"]):
+    if not _present(row["caches_kv"]) or not bool(row["caches_kv"]):
         return None
     values = {}
     for field in dataclasses.fields(CacheLayout):
         column = f"{CacheLayout.ROW_PREFIX}{field.name}"
-        if column in row.index and _present(row[column]):
+        if _present(row[column]):
             values[field.name] = type(field.default)(row[column])
     return CacheLayout(**values)
 
 
-def predict_row(row, roof: Roof) -> dict:
-    """The analytic figures for one row at `roof`, per decode step averaged over the row's decode steps
-    (the runner times steps ctx .. ctx + decode_tokens - 1; without a cache each is one full
-    recompute). The roof-free figures (bytes, FLOPs, cache bytes) are the row's own `*_model` columns,
-    computed again here only for rows that lack them."""
-    shape, dtype, layout = shape_of(row), str(row["dtype"]), layout_of(row)
-    batch, ctx, steps = int(row["batch"]), int(row["ctx"]), max(int(row["decode_tokens"]), 1)
-    step = analytic.mean_decode_step(shape, dtype, batch, ctx, steps, layout, roof)
-    return {
-        "weight_bytes": analytic.weight_bytes(shape, dtype),
-        "kv_cache_bytes_model": analytic.kv_cache_bytes(shape, dtype, batch, ctx + steps, layout),
-        "bytes_per_step_model": step.bytes,
-        "flops_per_step_model": step.flops,
-        "roof_bound": analytic.bound(step.flops, step.bytes, roof),
-        "analytic_intensity_flops_per_byte": step.flops / step.bytes,
-        "analytic_decode_step_s": step.seconds,
-        "analytic_tokens_per_s": batch / step.seconds,
-        "analytic_prefill_s": analytic.prefill_time(shape, dtype, batch, ctx, roof, layout),
-    }
+def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FALLBACK_HARDWARE,
+                    datasheet: str | None = None) -> pd.DataFrame:
+    """The loader's one re-prediction step: rows with roof_*_used, roof_source and roof_description, and
+    their prediction columns (harness.analysis.predictions) filled where they have none, at the roof
+    roof_for_row finds. `datasheet`: every row predicted again at that datasheet's roofs instead (the
+    rows' own, measured predictions replaced). Then the ratio columns, measured / predicted."""
+    rows = rows.reset_index(drop=True)
+    recorded = rows["predicted_step_s"].notna() & rows["roof_flops"].notna() & rows["roof_bandwidth_Bps"].notna()
+    if datasheet is not None:
+        recorded[:] = False
+    rows["roof_flops_used"] = rows["roof_flops"].where(recorded)
+    rows["roof_bandwidth_used"] = rows["roof_bandwidth_Bps"].where(recorded)
+    rows["roof_source"] = pd.Series("measured", index=rows.index, dtype=object).where(recorded)
+    names = rows["device_name"].where(rows["device_name"].fillna("") != "", rows["device"]).astype(str)
+    rows["roof_description"] = ("measured: calibrated roofs recorded in the rows (" + names + ")").where(recorded)
+    roofs: dict = {}  # a row's roof depends on these alone: found once per kind of row
+    predicted, failed = {}, {}
+    for index in rows.index[~recorded]:
+        row = rows.loc[index]
+        folder = row.get("source_dir", results_dir)
+        try:
+            kind = (folder, row["dtype"], row["device"], row["device_name"],
+                    *(float(row[c]) if _present(row[c]) else None for c in ("roof_flops", "roof_bandwidth_Bps")))
+            if kind not in roofs:
+                roofs[kind] = (RowRoof(load_hardware(datasheet).roof(str(row["dtype"])), "datasheet",
+                                       f"datasheet {datasheet}, asked for") if datasheet else
+                               roof_for_row(row, folder, fallback))
+            row_roof = roofs[kind]
+            figures = predict(shape_of(row), str(row["dtype"]), int(row["batch"]), int(row["ctx"]),
+                              int(row["decode_tokens"]), layout_of(row), row_roof.roof)
+        except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
+            failed[index] = {"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"}
+            continue
+        own = {c: row[c] for c in ROOF_FREE if _present(row[c])}  # a row's own roof-free figures stand
+        predicted[index] = {**figures, **own, "roof_flops_used": row_roof.roof.flops_per_s,
+                            "roof_bandwidth_used": row_roof.roof.bytes_per_s, "roof_source": row_roof.source,
+                            "roof_description": row_roof.description}
+    for found in (predicted, failed):  # written in one assignment per column: a row at a time is slow
+        if found:
+            found = pd.DataFrame.from_dict(found, orient="index")
+            for column in found.columns:
+                rows[column] = rows[column].astype(object)
+                rows.loc[found.index, column] = found[column]
+    for column in AT_A_ROOF + ROOF_FREE:
+        if column != "roof_bound":
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    rows["predicted_tokens_per_s"] = rows["batch"] / rows["predicted_step_s"].where(rows["predicted_step_s"] > 0)
+    for measured, predicted in RATIOS:
+        rows[f"ratio_{measured}"] = _ratio(rows[measured], rows[predicted])
+    return rows
 
 
 def _ratio(measured: pd.Series, predicted: pd.Series) -> pd.Series:
@@ -158,46 +210,14 @@ def _ratio(measured: pd.Series, predicted: pd.Series) -> pd.Series:
     return measured / predicted
 
 
-RATIOS = (  # measured / analytic
-    ("decode_step_s", "analytic_decode_step_s"),
-    ("prefill_s", "analytic_prefill_s"),
-    ("tokens_per_s", "analytic_tokens_per_s"),
+RATIOS = (  # measured / predicted: ratio_<measured column>
+    ("decode_step_s", "predicted_step_s"),
+    ("prefill_s", "predicted_prefill_s"),
+    ("tokens_per_s", "predicted_tokens_per_s"),
     ("kv_cache_bytes", "kv_cache_bytes_model"),
     ("bytes_per_step_measured", "bytes_per_step_model"),
     ("peak_memory_bytes", "peak_memory_predicted_bytes"),  # the memory model (harness.analysis.peak_memory)
 )
-
-
-def add_analytic_columns(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FALLBACK_HARDWARE) -> pd.DataFrame:
-    """rows with analytic_*, ratio_* and roof_*_used columns joined (see the module docstring); the
-    row's own model columns and roof_bound are filled where the row lacks them."""
-    extra = []
-    for _, row in rows.iterrows():
-        folder = row.get("source_dir", results_dir)
-        try:
-            row_roof = roof_for_row(row, folder, fallback)
-            figures = predict_row(row, row_roof.roof)
-        except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
-            extra.append({"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"})
-            continue
-        extra.append({
-            **figures,
-            "roof_flops_used": row_roof.roof.flops_per_s,
-            "roof_bandwidth_used": row_roof.roof.bytes_per_s,
-            "roof_source": row_roof.source,
-            "roof_description": row_roof.description,
-        })
-    predicted = pd.DataFrame(extra, index=range(len(rows)))
-    joined = rows.reset_index(drop=True)
-    for column in predicted.columns:
-        if column in joined:  # the row's own figure stands; the prediction fills only what it lacks
-            joined[column] = joined[column].where(joined[column].notna(), predicted[column])
-        else:
-            joined[column] = predicted[column]
-    for measured, analytic_column in RATIOS:
-        if measured in joined and analytic_column in joined:
-            joined[f"ratio_{measured}"] = _ratio(joined[measured], joined[analytic_column])
-    return joined
 
 
 SERIES = "series"  # the column naming a strategy with the options that tell its rows apart
@@ -213,9 +233,8 @@ def add_series(rows: pd.DataFrame) -> pd.DataFrame:
         return rows.assign(**{SERIES: rows.get("strategy")})
     options = rows.get("strategy_options", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
     if "hugepages" in rows:  # a run option that changes what a layout costs (scattered blocks, page walks)
-        pages = rows["hugepages"].fillna(False).astype(bool)  # rows written before the column: default pages
-        options = pd.Series([{**option, "hugepages": bool(huge)} for option, huge in zip(options, pages)],
-                            index=rows.index)
+        options = pd.Series([{**option, "hugepages": bool(huge)} for option, huge in
+                             zip(options, rows["hugepages"].fillna(False))], index=rows.index)
     labels = rows["strategy"].astype(str).copy()
     for name, mine in options.groupby(rows["strategy"]):
         keys = sorted({key for option in mine for key in option})
@@ -225,11 +244,27 @@ def add_series(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(**{SERIES: labels})
 
 
-def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE) -> pd.DataFrame:
-    """Every row of one folder, or of several (a list: rows of several hosts and devices), with the
-    analytic columns joined.
+def dedupe(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, list[str]]]]:
+    """One row per written measurement: a row read twice (a copied file, a folder given twice) is kept
+    once, its first copy; (point_key, the files it was read from) for each such point. Repeats and
+    re-runs of a point are different rows (their timestamps differ) and all stay."""
+    if rows.empty or "point_key" not in rows:
+        return rows, []
+    same = ["point_key", "timestamp"]
+    twice = rows[rows.duplicated(same, keep=False) & rows["point_key"].notna()]
+    found = [(str(key), sorted(f"{d}/{f}" for d, f in zip(copies["source_dir"], copies["source_file"])))
+             for key, copies in twice.groupby("point_key", sort=True)]
+    keep = ~rows.duplicated(same, keep="first") | rows["point_key"].isna()
+    return rows[keep].reset_index(drop=True), found
 
-    attrs: skipped_files [(path, reason)], calibration_problems [(path, reason)], results_dir.
+
+def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datasheet: str | None = None) -> pd.DataFrame:
+    """Every row of one folder, or of several (a list: rows of several hosts and devices), upgraded to
+    today's schema, read once each, with its predictions (add_predictions; `datasheet`: all predicted
+    again at that datasheet's roofs).
+
+    attrs: skipped_files [(path, reason)], duplicates [(point_key, [files])],
+    calibration_problems [(path, reason)], results_dir.
     """
     folders = [results_dir] if isinstance(results_dir, (str, Path)) else list(results_dir)
     frames, skipped, problems = [], [], []
@@ -238,9 +273,12 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE) -> pd.
         frames.append(rows.assign(source_dir=str(folder)))
         skipped += not_rows
         problems += [(str(p), why) for p, why in calibration.read_all(folder)[1]]
-    rows = add_series(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0])
-    table = add_analytic_columns(rows, folders[0], fallback_hardware) if len(rows) else rows
+    frames = [frame for frame in frames if len(frame)] or frames[:1]
+    rows, duplicates = dedupe(upgrade(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]))
+    rows = add_series(rows)
+    table = add_predictions(rows, folders[0], fallback_hardware, datasheet) if len(rows) else rows
     table.attrs["skipped_files"] = skipped
+    table.attrs["duplicates"] = duplicates
     table.attrs["calibration_problems"] = problems
     table.attrs["results_dir"] = ", ".join(str(f) for f in folders)
     return table

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.curves import analytic_tables
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
 from harness.report import compare, guard, plots, tables
@@ -92,7 +93,7 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
         b = int(batches[0])
         out.append(Paragraph(
             "No two rows of one cached strategy share batch × ctx here. A sweep with such pairs: "
-            f"`python -m harness.run -m model={group.model} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
+            f"`python -m harness.run -m {group.model_key} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
             f"batch={b},{4 * b} ctx=256,1024 device={group.device} dtype={group.dtype}` "
             f"({b} × 1024 = {4 * b} × 256)."))
     return out
@@ -118,6 +119,10 @@ def _not_measured(table: pd.DataFrame) -> list[Block]:
     skipped = table.attrs.get("skipped_files", [])
     out.append(Heading("Files in the results folder that are not rows", 3))
     out.append(tables.skipped_files_table(skipped) if skipped else Paragraph("None: every file was a readable row."))
+    duplicates = table.attrs.get("duplicates", [])
+    if duplicates:  # a copied file, or a folder named twice: each row counts once
+        out += [Heading("Rows read more than once, counted once", 3), Table(
+            ["point_key", "read from"], [[key, ", ".join(f"`{f}`" for f in files)] for key, files in duplicates])]
     problems = table.attrs.get("calibration_problems", [])
     if problems:
         out += [Heading("Calibration files that could not be read", 3), tables.skipped_files_table(problems)]
@@ -130,9 +135,9 @@ def _summary(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
         "One line per point: the fastest cache where its 95% interval clears the next one's, else a tie "
         "(`apart`: compared across runs, not round by round); what the plain cache saves against recomputing, "
         "in time and in FLOPs (far larger: a cached step waits on bytes); peak memory split."),
-        summary_table(groups, verdicts),
-        resolution_paragraph(verdicts)]
-    noisy = int(table["noisy"].fillna(False).astype(bool).sum()) if "noisy" in table else 0
+        summary_table(groups, verdicts)]
+    noisy = int(table["noisy"].fillna(False).astype(bool).sum())
+    blocks.append(resolution_paragraph(verdicts, noisy))
     if noisy:
         blocks.append(Paragraph(
             f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
@@ -180,7 +185,8 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         return blocks + [Paragraph(
             f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
-    groups = cohorts_of(table)
+    analytic = analytic_tables(table)  # the loader's step: every analytic figure beyond the rows' own columns
+    groups = cohorts_of(table, analytic)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
     sections = [("This machine, point by point", lambda: _summary(table, groups))]
     if baseline is not None:
@@ -195,7 +201,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         ("What compressing the cache trades", lambda: compression_section(groups, folder)),
         ("Against the engines", lambda: engine_section(table)),
         ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
-        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group)),
+        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic)),
         ("Rows and files not measured", lambda: _not_measured(table)),
     ]
     for heading, build in sections:
@@ -239,9 +245,8 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
         _write_whole(files.markdown, to_markdown(blocks))
-        rows_table = next((b for b in blocks if isinstance(b, Table) and b.header[:2] == ["strategy", "model"]), None)
-        if rows_table is not None:
-            _write_whole(files.csv, pd.DataFrame(rows_table.rows, columns=rows_table.header).to_csv(index=False))
+        if not table.empty:  # rendered from the rows, as the Markdown table is: numbers, under the columns' names
+            _write_whole(files.csv, tables.rows_csv(table))
         _write_whole(files.html, to_html(blocks, TITLE))
     except OSError as error:
         raise ReportError(f"{key}: cannot write the report to '{folder}': {error.strerror or error}") from None

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from harness.analysis.analytic import Roof
-from harness.config import ModelConfig
-from harness.analysis.results import SERIES, layout_of, shape_of
+from harness.analysis.curves import LINE_KEYS, AnalyticTables, analytic_tables
+from harness.analysis.results import SERIES
+from harness.config.paths import config_dir
 
 # The linear-layer kernel is a measurement condition like the dtype: aten, oneDNN and C rows of the same
 # point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
 # A group is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
 # drawn on one axis, each group has its own roofs.
-GROUP_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
+COHORT_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
 
 
 @dataclass
@@ -29,17 +29,39 @@ class Cohort:
     model: str  # preset name
     device: str  # cpu | cuda
     dtype: str  # float32 | bfloat16 | float16
-    matmul_kernel: str  # linear-layer kernel of the rows ("" for rows written before it was recorded)
+    matmul_kernel: str  # linear-layer kernel of the rows ("" where none of them recorded one)
     device_name: str  # processor or GPU model of the rows
-    shape: ModelConfig  # decoder shape recorded in the rows
-    roof: Roof  # the roof the predictions of these rows use
+    roof_flops: float  # the FLOP roof the predictions of these rows use, FLOP/s
+    roof_bandwidth: float  # the read roof the predictions of these rows use, B/s
     roof_source: str  # measured | datasheet
     roof_description: str  # which calibration or datasheet, and why
     decode_tokens: int  # decode steps per point (the most common value)
     rows: pd.DataFrame  # every row of the group, whatever its status
     ok: pd.DataFrame  # rows with status ok, a prediction, a usable step time and numbers to trust (not noisy)
-    layouts: dict = field(default_factory=dict)  # strategy -> its CacheLayout (None: no cache), from the rows
     unusable: pd.DataFrame = field(default_factory=pd.DataFrame)  # status ok, but no finite step time above 0
+    lines: pd.DataFrame = field(default_factory=pd.DataFrame)  # the analytic lines at this roof (curves.AnalyticTables.lines)
+    held: pd.DataFrame = field(default_factory=pd.DataFrame)  # bytes per token held by each series (AnalyticTables.held)
+    figures: dict = field(default_factory=dict)  # the shape's kv_bytes_per_token, weight_bytes, tokens_to_match_weights
+
+    def line(self, series: str | None, batch: int, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """(contexts, the analytic `column` at each) of a series at a batch, along the context grid, which
+        spans the group's contexts and holds each of them; series None: any (a figure of no layout)."""
+        lines = self.lines if series is None else self.lines[self.lines[SERIES] == series]
+        if series is None and len(lines):
+            lines = lines[lines[SERIES] == lines[SERIES].iloc[0]]
+        mine = lines[lines["batch"] == int(batch)].sort_values("ctx")
+        return mine["ctx"].to_numpy(int), mine[column].to_numpy(float)
+
+    def at(self, series: str, batch: int, ctx: int, column: str) -> float:
+        """The analytic `column` of a series at one batch and context (a context of the rows)."""
+        contexts, values = self.line(series, batch, column)
+        found = values[contexts == int(ctx)]
+        return float(found[0]) if len(found) else float("nan")
+
+    def held_at(self, series: str, tokens: int) -> float:
+        """Cache bytes per token a sequence of `series` holds at `tokens` tokens."""
+        found = self.held[(self.held[SERIES] == series) & (self.held["tokens"] == int(tokens))]
+        return float(found["kv_bytes_per_token_held"].iloc[0]) if len(found) else float("nan")
 
     @property
     def title(self) -> str:
@@ -51,6 +73,16 @@ class Cohort:
         matmul = f"_{self.matmul_kernel.split('.')[0]}" if self.matmul_kernel else ""
         machine = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()[:40]
         return f"{self.model}_{self.device}_{machine}_{self.dtype}{matmul}"
+
+    @property
+    def model_key(self) -> str:
+        """The model as a command line names it: `model=<preset>` where the rows' model is a preset of
+        conf/model/, else `model.checkpoint=<the file or folder the rows read>` (a checkpoint's rows are
+        named after its file, which is no preset)."""
+        if (config_dir() / "model" / f"{self.model}.yaml").is_file():
+            return f"model={self.model}"
+        checkpoints = self.rows["checkpoint"].dropna()
+        return f"model.checkpoint={checkpoints.iloc[0]}" if len(checkpoints) else f"model={self.model}"
 
     def strategies(self) -> list[str]:
         """The strategies of the group's ok rows: the recompute reference first, then by name."""
@@ -110,17 +142,22 @@ def ordered_strategies(rows: pd.DataFrame) -> list[str]:
     return sorted(rows[SERIES].unique(), key=lambda s: (s not in references, s))
 
 
-def cohorts_of(table: pd.DataFrame) -> list[Cohort]:
-    """One Cohort per model/device/dtype with at least one predicted row, largest first."""
+def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> list[Cohort]:
+    """One Cohort per model/device/dtype with at least one predicted row, largest first; `analytic`:
+    the loader's tables for `table` (harness.analysis.curves.analytic_tables), built here when not given."""
     if table.empty or "roof_flops_used" not in table:
         return []
+    analytic = analytic or analytic_tables(table)
     found = []
     table = _with_usual_conditions(table)
-    for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(GROUP_KEYS, sort=True):
+    for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(COHORT_KEYS, sort=True):
         predicted = rows[rows["roof_flops_used"].notna()]
         if predicted.empty:
             continue
         first = predicted.iloc[0]
+        roof = first[LINE_KEYS].tolist()
+        lines = analytic.lines[(analytic.lines[LINE_KEYS] == roof).all(axis=1)]
+        held = analytic.held[(analytic.held["model"] == model) & (analytic.held["dtype"] == dtype)]
         ran = predicted[predicted["status"] == "ok"]
         usable = usable_step(ran)
         noisy = ran["noisy"].fillna(False).astype(bool) if "noisy" in ran else pd.Series(False, index=ran.index)
@@ -128,12 +165,11 @@ def cohorts_of(table: pd.DataFrame) -> list[Cohort]:
         found.append(Cohort(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(device_name),
-            shape=shape_of(first),
-            roof=Roof(float(first["roof_flops_used"]), float(first["roof_bandwidth_used"])),
+            roof_flops=float(first["roof_flops_used"]), roof_bandwidth=float(first["roof_bandwidth_used"]),
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
             rows=rows, ok=ok, unusable=ran[~usable],
-            layouts={name: layout_of(mine.iloc[0]) for name, mine in rows.groupby(SERIES)},
+            lines=lines, held=held, figures=analytic.shapes.get((model, dtype), {}),
         ))
     return sorted(found, key=lambda g: -len(g.ok))
 

@@ -24,7 +24,7 @@ from harness.report import units as fmt
 from harness.report import plots
 from harness.report.document import Block, Bullets, Figure, Heading, Paragraph, Table
 from harness.report.cohorts import newest_per_point
-from harness.report.tables import ROW_ORDER
+from harness.report.tables import ROW_ORDER, skipped_files_table
 
 # What makes two rows the same point. decode_tokens is in it because a row's step is the mean over
 # contexts ctx .. ctx + decode_tokens - 1; rope_theta and norm_eps are not (they change no step's cost).
@@ -52,18 +52,15 @@ def baseline_folder(value) -> Path:
 
 def roof_fractions(table: pd.DataFrame) -> pd.Series:
     """Each row's share of its roof: the runner's roofline_fraction (at the roofs recorded in the row),
-    else analytic ÷ measured step as results.load predicted it (rows written without roofs)."""
-    recorded = pd.to_numeric(table.get("roofline_fraction", pd.Series(index=table.index, dtype=float)),
-                             errors="coerce")
-    predicted = 1 / pd.to_numeric(table.get("ratio_decode_step_s", pd.Series(index=table.index, dtype=float)),
-                                  errors="coerce")
+    else predicted ÷ measured step at the roof results.load found (rows written without roofs)."""
+    recorded = pd.to_numeric(table["roofline_fraction"], errors="coerce")
+    predicted = 1 / pd.to_numeric(table["ratio_decode_step_s"], errors="coerce")
     return recorded.where(recorded.notna(), predicted)
 
 
 def _identity(table: pd.DataFrame) -> pd.Series:
-    """One text key per row; a column an older row lacks counts as empty in both runs."""
-    parts = [table[c].astype(object).where(table[c].notna(), "").astype(str) if c in table
-             else pd.Series("", index=table.index) for c in IDENTITY]
+    """One text key per row; a null counts as empty in both runs."""
+    parts = [table[c].astype(object).where(table[c].notna(), "").astype(str) for c in IDENTITY]
     return pd.concat(parts, axis=1).agg("|".join, axis=1) if len(table) else pd.Series([], dtype=str)
 
 
@@ -74,10 +71,7 @@ def _ok_points(table: pd.DataFrame) -> pd.DataFrame:
     ok = table[(table["status"] == "ok") & table["decode_step_s"].notna()].copy()
     ok["identity"] = _identity(ok)
     ok["roof_fraction"] = roof_fractions(ok)
-    ok["noisy"] = ok["noisy"].fillna(False).astype(bool) if "noisy" in ok else False
-    for column in ("noise_reason", "device_name", "backend", "timestamp"):
-        if column not in ok:
-            ok[column] = None
+    ok["noisy"] = ok["noisy"].fillna(False).astype(bool)
     return newest_per_point(ok, "identity")[["identity", *ROW_ORDER, "backend", *SIDE]]
 
 
@@ -184,6 +178,10 @@ def comparison_section(table: pd.DataFrame, baseline: pd.DataFrame, folder: Path
     noisy ones named, every matched point in a table, and one plot of the ratios."""
     result = compare(table, baseline)
     out: list[Block] = [Heading("Against the baseline"), Paragraph(_counts(result, baseline.attrs.get("results_dir")))]
+    unread = baseline.attrs.get("skipped_files", [])
+    if unread:  # the baseline's own files that are not rows: its points compared here are fewer
+        out += [Paragraph(f"{len(unread)} file(s) of the baseline folder are not rows and were not read:"),
+                skipped_files_table(unread)]
     points = result.points
     if points.empty:
         return out + [Paragraph("**No point is in both runs**: nothing to compare. The two folders share no "

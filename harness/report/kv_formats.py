@@ -41,7 +41,7 @@ def weights_note(group: Cohort) -> str:
     """Where the group's accuracy figures came from: random weights (with the warning), a checkpoint
     (its folder and hash) and the prompt (a file, or random ids)."""
     rows = narrow_or_approximate(ran_rows(group))
-    weights = rows["weights"].fillna("random") if "weights" in rows else pd.Series("random", index=rows.index)
+    weights = rows["weights"]
     parts = []
     if (weights == "checkpoint").any():
         checkpoints = rows.loc[weights == "checkpoint", ["checkpoint", "checkpoint_hash"]].drop_duplicates()
@@ -50,7 +50,7 @@ def weights_note(group: Cohort) -> str:
     if (weights == "random").any():
         parts.append(("Some of these rows have" if parts else "Accuracy from") + " seeded random weights. "
                      + RANDOM_WEIGHTS_WARNING)
-    prompts = rows["prompt"].dropna().unique() if "prompt" in rows else []
+    prompts = rows["prompt"].dropna().unique()
     parts.append(f"Prompts and scored text from {', '.join(f'`{p}`' for p in prompts)}." if len(prompts) else
                  "Prompts were seeded random token ids, so no perplexity was measured.")
     if len(prompts) and (reference := _reference_perplexities(rows)):
@@ -61,10 +61,7 @@ def weights_note(group: Cohort) -> str:
 def _reference_perplexities(rows: pd.DataFrame) -> str:
     """The reference's perplexity per context its scored tokens followed, e.g. "9.734 after ctx 512";
     empty where no row recorded one."""
-    if "perplexity_reference" not in rows:
-        return ""
-    contexts = rows["accuracy_ctx"].fillna(rows["ctx"]) if "accuracy_ctx" in rows else rows["ctx"]
-    found = rows.assign(after=contexts).dropna(subset=["perplexity_reference"])
+    found = rows.assign(after=rows["accuracy_ctx"]).dropna(subset=["perplexity_reference", "after"])
     by_context = found.groupby("after")["perplexity_reference"].median()
     return ", ".join(f"{perplexity:.4g} after ctx {int(after)}" for after, perplexity in by_context.items())
 
@@ -182,9 +179,18 @@ def _group_blocks(group: Cohort, folder: Path) -> list[Block]:
         out.append(Paragraph(front_sentence(found, front)))
     path = front_plot(group, found, front, folder)
     out.append(Figure(path, FRONT_CAPTION) if path is not None else
-               Paragraph("*(plot omitted: no approximate variant here has a measured KL: with prefill=random no "
-                         "prompt runs, so nothing is scored)*"))
+               Paragraph(f"*(plot omitted: no approximate variant here has a measured KL: {_why_unscored(group)})*"))
     return out
+
+
+def _why_unscored(group: Cohort) -> str:
+    """Why the group's approximate variants scored nothing, as their rows say."""
+    rows = narrow_or_approximate(ran_rows(group))
+    if len(rows) and (rows["prefill"] == "random").all():
+        return "with prefill=random no prompt runs, so nothing is scored"
+    reasons = rows["accuracy_reference"].dropna().unique()
+    return ("the accuracy pass did not run: " + "; ".join(map(str, reasons))) if len(reasons) else \
+        "no accuracy pass ran for these rows"
 
 
 def format_section(groups: list[Cohort], folder: Path) -> list[Block]:

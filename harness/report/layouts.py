@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis import analytic
 from harness.report import units as fmt
 from harness.report import plots
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
@@ -34,14 +33,12 @@ def ranking_rows(group: Cohort) -> list[list[str]]:
         for rank, series in enumerate(ranked, start=1):
             mine = rows[rows[SERIES] == series]
             r, step = mine.iloc[0], pooled_step(mine)
-            layout = group.layouts[series]
-            needed = analytic.kv_cache_used_bytes(group.shape, group.dtype, int(batch), int(ctx + r["decode_tokens"]),
-                                                  layout)
+            needed = r["kv_cache_used_bytes_model"]
             allocated = r["kv_cache_bytes"]
             against = judged.comparisons[series].text() if series in judged.comparisons else "fastest"
             body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(series),
                          step_text(step),
-                         against, fmt.seconds(r.get("analytic_decode_step_s")),
+                         against, fmt.seconds(r.get("predicted_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])
     return body

@@ -35,9 +35,7 @@ GPU_CAUSES = ("On a GPU it is usually kernel launches and the host's Python betw
 
 
 def compile_mode(rows: pd.DataFrame) -> pd.Series:
-    """Each row's compile mode; rows written before the column existed ran eager (null reads as none)."""
-    if "compile" not in rows:
-        return pd.Series(EAGER, index=rows.index)
+    """Each row's compile mode (a row that did not run records none: eager)."""
     return rows["compile"].fillna(EAGER).astype(str)
 
 
@@ -45,11 +43,11 @@ def unexplained(rows: pd.DataFrame) -> pd.DataFrame:
     """Cached rows with a measured and a roofline step, `share` = 1 - roofline / measured clipped at 0
     (a row below its roof, beyond rounding, is noise, not negative overhead: `faster` flags it) and
     `gap_s`, the time above the roof in seconds."""
-    found = cached_rows(rows).dropna(subset=["decode_step_s", "analytic_decode_step_s"])
+    found = cached_rows(rows).dropna(subset=["decode_step_s", "predicted_step_s"])
     found = found[found["decode_step_s"] > 0]
-    raw = 1.0 - found["analytic_decode_step_s"] / found["decode_step_s"]
+    raw = 1.0 - found["predicted_step_s"] / found["decode_step_s"]
     return found.assign(compile=compile_mode(found), share=raw.clip(lower=0.0), faster=raw < -1e-9,
-                        gap_s=(found["decode_step_s"] - found["analytic_decode_step_s"]).clip(lower=0.0))
+                        gap_s=(found["decode_step_s"] - found["predicted_step_s"]).clip(lower=0.0))
 
 
 def _gemv_sentence(found: pd.DataFrame) -> str:
@@ -80,7 +78,7 @@ def _unexplained_section(groups: list[Cohort]) -> list[Block]:
             continue
         shown = True
         body = [[str(r[SERIES]), str(r["compile"]), fmt.count(r["batch"]), fmt.count(r["ctx"]),
-                 fmt.seconds(r["decode_step_s"]), fmt.seconds(r["analytic_decode_step_s"]),
+                 fmt.seconds(r["decode_step_s"]), fmt.seconds(r["predicted_step_s"]),
                  f"{r['share']:.0%}" + (" (faster than its roof: noisy)" if r["faster"] else ""),
                  f"{r['gap_s'] * 1e3:.3g} ms"] for _, r in found.iterrows()]
         out += [Heading(group.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]
@@ -137,11 +135,11 @@ def _compiled_section(groups: list[Cohort]) -> list[Block]:
                 Paragraph(f"Median speedup: {fmt.ratio(found['speedup'].median())} over {len(found)} point(s).")]
     if not shown:
         first = groups[0] if groups else None
-        model, device = (first.model, first.device) if first else ("<model>", "<device>")
+        model, device = (first.model_key, first.device) if first else ("model=<model>", "<device>")
         cached = (first.plain_cache_strategy_name() if first else None) or "<a compilable cached strategy>"
         out.append(Paragraph(
             "No point here ran both eager and compiled; a sweep that does: "
-            f"`python -m harness.run -m model={model} strategy={cached} compile={EAGER},{COMPILED} "
+            f"`python -m harness.run -m {model} strategy={cached} compile={EAGER},{COMPILED} "
             f"batch=1,4 ctx=256,1024 device={device}`."))
     return out
 

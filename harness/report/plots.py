@@ -14,7 +14,6 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from harness.analysis import analytic
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
 from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
                                     new_figure, save, title)
@@ -54,15 +53,12 @@ def _context_axis(ax, ctxs) -> None:
     ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
 
 
-def _context_grid(ctxs) -> np.ndarray:
-    """Contexts for an analytic line spanning the measured ones, a little beyond each end."""
-    low, high = max(1, int(min(ctxs) / 1.5)), int(max(ctxs) * 1.5)
-    return np.unique(np.geomspace(low, high, 40).astype(int))
-
-
-def _mean_step(group: Cohort, batch: int, ctx: int, layout) -> analytic.MeanStep:
-    """The analytic step averaged over the group's decode steps (as the rows' prediction)."""
-    return analytic.mean_decode_step(group.shape, group.dtype, batch, ctx, group.decode_tokens, layout, group.roof)
+def _line(group: Cohort, series, batch, column: str, ctxs) -> tuple[np.ndarray, np.ndarray]:
+    """The analytic line of a series at a batch (Cohort.line), over the measured contexts `ctxs` and a
+    little beyond each end."""
+    grid, values = group.line(series, batch, column)
+    keep = (grid >= min(ctxs) / 1.5 - 1) & (grid <= max(ctxs) * 1.5)
+    return grid[keep], values[keep]
 
 
 def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False) -> Optional[Path]:
@@ -75,7 +71,6 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
         return None
     batches = sorted(ok["batch"].unique())
     fig, axes = new_figure(4.2 * len(batches) + 2.4, 4.2, columns=len(batches), squeeze=False, sharey=True)
-    grid = _context_grid(ok["ctx"])
     colours = _colours(group)
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
@@ -83,8 +78,7 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
             mine = rows[rows[SERIES] == strategy].sort_values("ctx")
             if mine.empty:
                 continue
-            line = [_mean_step(group, int(batch), int(c), group.layouts[strategy]).seconds for c in grid]
-            ax.plot(grid, line, "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
+            ax.plot(*_line(group, strategy, batch, "predicted_step_s", ok["ctx"]), "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
             err = None
             bounds = [(low, high) for low, high in (("decode_step_ci_low_s", "decode_step_ci_high_s"),
                                                     ("decode_step_p10_s", "decode_step_p90_s"))
@@ -114,15 +108,16 @@ def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
     cached_name = group.plain_cache()
     if cached_name is None or reference_rows(ok).empty:
         return None
-    plain = group.layouts[cached_name]
-    grid = _context_grid(ok["ctx"])
+    recompute = sorted(reference_rows(ok)[SERIES].unique())[0]  # the no-cache line: any reference's
+    batches = sorted(ok["batch"].unique())
     fig, ax = new_figure(10.5, 5.0)
-    flop_ratio = [_mean_step(group, 1, int(c), None).flops / _mean_step(group, 1, int(c), plain).flops for c in grid]
+    grid, full_flops = _line(group, recompute, batches[0], "flops_per_step_model", ok["ctx"])
+    flop_ratio = full_flops / _line(group, cached_name, batches[0], "flops_per_step_model", ok["ctx"])[1]
     ax.plot(grid, flop_ratio, "-", color="black", lw=2.2, label="FLOP ratio (analytic, any batch)")
-    for i, batch in enumerate(sorted(ok["batch"].unique())):
+    for i, batch in enumerate(batches):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
-        time_ratio = [_mean_step(group, int(batch), int(c), None).seconds
-                      / _mean_step(group, int(batch), int(c), plain).seconds for c in grid]
+        grid, full_step = _line(group, recompute, batch, "predicted_step_s", ok["ctx"])
+        time_ratio = full_step / _line(group, cached_name, batch, "predicted_step_s", ok["ctx"])[1]
         ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(cached_rows(ok))):
             pairs = measured_ratio(ok, int(batch), strategy)
@@ -153,9 +148,8 @@ def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
 
 def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     """Cache bytes against batch x tokens, the weights as a line, the crossover marked."""
-    per_token = analytic.kv_bytes_per_token(group.shape, group.dtype)
-    weights = analytic.weight_bytes(group.shape, group.dtype)
-    crossover = analytic.tokens_to_match_weights(group.shape, group.dtype)
+    per_token, weights, crossover = (group.figures[k] for k in ("kv_bytes_per_token", "weight_bytes",
+                                                                 "tokens_to_match_weights"))
     cached = positive(cached_rows(group.ok), "kv_cache_bytes")
     tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
     high = max([crossover * 4, *(tokens * 2)])
@@ -186,12 +180,11 @@ def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
     """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
     ok = cached_rows(group.ok)  # step times usable (cohorts.usable_step)
     ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
-    grid = _context_grid(ctxs)
     fig, (left, right) = new_figure(14.0, 4.8, columns=2)
     for i, batch in enumerate(sorted(set(ok["batch"]) or {1})):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
-        prefill = [analytic.prefill_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
-        decode = [analytic.decode_bytes_per_token(group.shape, group.dtype, int(batch), int(c)) for c in grid]
+        grid, prefill = _line(group, None, batch, "prefill_bytes_per_token", ctxs)
+        decode = _line(group, None, batch, "decode_bytes_per_token", ctxs)[1]
         left.plot(grid, decode, "-", color=colour, lw=1.6, label=f"decode, batch {batch}")
         left.plot(grid, prefill, "--", color=colour, lw=1.6, label=f"prefill, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(ok)):  # one marker per cache, one colour per batch
@@ -231,11 +224,11 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
             boundaries.append(len(labels) - 0.5)
         for _, row in rows.iterrows():
             labels.append(f"{int(row['batch'])}×{int(row['ctx'])}\n(= {product:,})")
-            analytic_cache.append(analytic.kv_cache_bytes(group.shape, group.dtype, int(row["batch"]), int(row["ctx"])))
+            analytic_cache.append(group.at(None, row["batch"], row["ctx"], "kv_cache_bytes_at_ctx"))
             allocated.append(row["kv_cache_bytes"])
             peak.append(row.get("peak_memory_bytes"))
             measured_tps.append(row["tokens_per_s"])
-            roofline_tps.append(row["analytic_tokens_per_s"])
+            roofline_tps.append(row["predicted_tokens_per_s"])
     x = np.arange(len(labels))
     measured_tps = floats(measured_tps)
     measured_tps[~(np.isfinite(measured_tps) & (measured_tps > 0))] = np.nan  # a log axis draws no 0

@@ -8,64 +8,34 @@ rows show, and says plainly when the rows at hand cannot show it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
-import yaml
 
-from harness.analysis import analytic
-from harness.analysis.analytic import Roof
-from harness.config.paths import config_dir
-from harness.config import ModelConfig, model_config_from
-from harness.analysis.hardware import load_hardware
 from harness.report import guard
 from harness.report import units as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
 from harness.report.plots import measured_ratio
 
-MODEL_DIR = config_dir() / "model"
+# `ref`: the example workload's figures, harness.analysis.curves.workload_figures (a dict of named
+# numbers, computed by the loader's step: this module does no arithmetic of the model).
 
 
-@dataclass
-class Reference:
-    """The analytic reference workload: Llama 3 70B in bf16 on an H100's datasheet roof."""
-
-    shape: ModelConfig  # Llama 3 70B
-    dtype: str  # bfloat16
-    hardware: str  # h100_sxm
-    roof: Roof  # its datasheet roof in that dtype
-    batch: int  # 1
-    ctx: int  # prompt tokens before the first decode step
-    steps: int  # decode steps after the prompt
+def _ref_line(ref: dict) -> str:
+    return (f"Llama 3 70B, {ref['dtype']}, H100 SXM datasheet roof ({fmt.rate(ref['roof'].bytes_per_s, 'B/s')}, "
+            f"{fmt.rate(ref['roof'].flops_per_s, 'FLOP/s')})")
 
 
-def model_preset(name: str) -> ModelConfig:
-    return model_config_from(yaml.safe_load((MODEL_DIR / f"{name}.yaml").read_text()))
-
-
-def reference() -> Reference:
-    dtype = "bfloat16"
-    return Reference(shape=model_preset("llama3_70b"), dtype=dtype, hardware="h100_sxm",
-                     roof=load_hardware("h100_sxm").roof(dtype), batch=1, ctx=4096, steps=512)
-
-
-def _ref_line(ref: Reference) -> str:
-    return (f"Llama 3 70B, {ref.dtype}, H100 SXM datasheet roof ({fmt.rate(ref.roof.bytes_per_s, 'B/s')}, "
-            f"{fmt.rate(ref.roof.flops_per_s, 'FLOP/s')})")
-
-
-def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
+def cacheable(ref: dict, table: pd.DataFrame) -> list[Block]:
     out = [Heading("Why keys and values can be cached and queries cannot", 3), Paragraph(
         "The key and value of token j are projections of token j's hidden state at position j; causal "
         "attention means no later token changes that state, so they are the same at every later step and "
         "can be kept. A query is used only by the step that creates it: the next step needs the next "
         "token's query, which did not exist before. If caching were inexact, the cached strategies would "
         "generate different tokens from the reference (`no_cache`), which recomputes everything from the token ids.")]
-    ok = table[(table["status"] == "ok")] if "status" in table else table
-    references = reference_rows(ok) if "caches_kv" in ok else ok.iloc[0:0]
-    if "tokens_digest" not in ok or references.empty:
+    ok = table[(table["status"] == "ok")]
+    references = reference_rows(ok)
+    if references.empty:
         return out + [Paragraph("**Measured:** no rows of the recompute reference with token digests here, so "
                                 "nothing to compare.")]
     keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens", "prefill"]
@@ -85,22 +55,17 @@ def cacheable(ref: Reference, table: pd.DataFrame) -> list[Block]:
                   Bullets(lines or ["no point ran both the reference and a cached strategy"])]
 
 
-def bytes_per_token(ref: Reference, groups: list[Cohort]) -> list[Block]:
-    s = ref.shape
+def bytes_per_token(ref: dict, groups: list[Cohort], published: pd.DataFrame) -> list[Block]:
+    s = ref["shape"]
     out = [Heading("Cache bytes per token, for any shape and dtype", 3), Paragraph(
         "`kv_bytes_per_token = 2 × n_layers × n_kv_heads × head_dim × bytes_per_element`: one key and one "
         f"value per layer and KV head. {_ref_line(ref)}: 2 × {s.n_layers} × {s.n_kv_heads} × "
-        f"{s.resolved_head_dim} × 2 = **{analytic.kv_bytes_per_token(s, ref.dtype):,} B "
-        f"({fmt.nbytes(analytic.kv_bytes_per_token(s, ref.dtype))})**. Batch, query heads and the "
+        f"{s.resolved_head_dim} × 2 = **{ref['kv_bytes_per_token']:,} B "
+        f"({fmt.nbytes(ref['kv_bytes_per_token'])})**. Batch, query heads and the "
         "attention pattern do not enter it.")]
     header = ["model", "dtype", "kv bytes/token", "weights", "tokens to match weights"]
-    body = []
-    for name in sorted(p.stem for p in MODEL_DIR.glob("*.yaml")):
-        shape = model_preset(name)
-        for dtype in ("float32", "bfloat16"):
-            body.append([name, dtype, f"{analytic.kv_bytes_per_token(shape, dtype):,} B",
-                         fmt.nbytes(analytic.weight_bytes(shape, dtype)),
-                         f"{analytic.tokens_to_match_weights(shape, dtype):,.0f}"])
+    body = [[p.model, p.dtype, f"{p.kv_bytes_per_token:,} B", fmt.nbytes(p.weight_bytes), f"{p.tokens_to_match_weights:,.0f}"]
+            for p in published.itertuples()]
     out.append(Table(header, body, [False, False, True, True, True]))
     measured = []
     for g in groups:
@@ -111,14 +76,13 @@ def bytes_per_token(ref: Reference, groups: list[Cohort]) -> list[Block]:
         per_token = cached["kv_cache_bytes"] / (cached["batch"] * (cached["ctx"] + cached["decode_tokens"]))
         measured.append(f"{g.title}: allocated cache ÷ (batch × (ctx + decode_tokens)) = "
                         f"{per_token.min():,.0f} – {per_token.max():,.0f} B per token over {len(cached)} rows; "
-                        f"analytic {analytic.kv_bytes_per_token(g.shape, g.dtype):,} B")
+                        f"analytic {g.figures['kv_bytes_per_token']:,} B")
     out.append(Paragraph("**Measured:**"))
     out.append(Bullets(measured or ["no cached rows with cache bytes here"]))
     return out
 
 
-def growth(ref: Reference, groups: list[Cohort]) -> list[Block]:
-    s = ref.shape
+def growth(ref: dict, groups: list[Cohort]) -> list[Block]:
     out = [Heading("How work grows with length: no cache against cache", 3), Paragraph(
         "Decode step i after a p-token prompt sits at context c = p + i. With a cache it runs one token: "
         "2 × (matmul weights) FLOPs plus one query over c + 1 keys (4 × (c + 1) × n_heads × head_dim per "
@@ -126,14 +90,10 @@ def growth(ref: Reference, groups: list[Cohort]) -> list[Block]:
         "Without a cache it re-runs all c + 1 tokens: 2 × (matmul weights) × (c + 1) plus causal attention "
         "over (c + 1)(c + 2)/2 pairs: **quadratic** per step, cubic in total attention work.")]
     header = ["context c", "FLOPs/step, cache", "FLOPs/step, no cache", "FLOP ratio",
-              f"total over {ref.steps} steps, cache", "total, no cache"]
-    body = []
-    for ctx in (512, 2048, 8192, 32768):
-        cached = analytic.decode_step_flops(s, 1, ctx)
-        full = analytic.decode_step_flops(s, 1, ctx, layout=None)
-        body.append([f"{ctx:,}", fmt.flops(cached), fmt.flops(full), fmt.ratio(full / cached),
-                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps)),
-                     fmt.flops(analytic.generate_flops(s, 1, ctx, ref.steps, layout=None))])
+              f"total over {ref['steps']} steps, cache", "total, no cache"]
+    body = [[f"{g['ctx']:,}", fmt.flops(g["flops_cached"]), fmt.flops(g["flops_full"]),
+             fmt.ratio(g["flops_full"] / g["flops_cached"]), fmt.flops(g["total_cached"]), fmt.flops(g["total_full"])]
+            for g in ref["growth"]]
     out += [Paragraph(f"{_ref_line(ref)}, batch 1:"), Table(header, body, [True] * len(header))]
     measured = []
     for g in groups:
@@ -152,13 +112,10 @@ def growth(ref: Reference, groups: list[Cohort]) -> list[Block]:
     return out
 
 
-def wall_clock_gap(ref: Reference, groups: list[Cohort]) -> list[Block]:
-    s, r, p = ref.shape, ref.roof, ref.ctx
-    cached_b = analytic.decode_step_bytes(s, ref.dtype, 1, p)["total"]
-    cached_f = analytic.decode_step_flops(s, 1, p)
-    full_f = analytic.decode_step_flops(s, 1, p, layout=None)
-    t_cached = analytic.decode_step_time(s, ref.dtype, 1, p, r)
-    t_full = analytic.decode_step_time(s, ref.dtype, 1, p, r, layout=None)
+def wall_clock_gap(ref: dict, groups: list[Cohort]) -> list[Block]:
+    r, p = ref["roof"], ref["ctx"]
+    cached_b, cached_f, full_f = ref["cached_bytes"], ref["cached_flops"], ref["full_flops"]
+    t_cached, t_full = ref["cached_step_s"], ref["full_step_s"]
     out = [Heading("Why the wall-clock speedup is far below the FLOP saving", 3), Paragraph(
         f"{_ref_line(ref)}, batch 1, context {p:,}: the cache cuts a step's FLOPs by "
         f"**{full_f / cached_f:,.0f}x** ({fmt.flops(full_f)} → {fmt.flops(cached_f)}), but the cached step "
@@ -171,15 +128,12 @@ def wall_clock_gap(ref: Reference, groups: list[Cohort]) -> list[Block]:
     header = ["model", "batch", "ctx", "FLOP ratio", "roofline time ratio", "measured time ratio"]
     body, flop_ratios, measured_ratios = [], [], []
     for g in groups:
-        n = g.decode_tokens
-        for cached_name in ordered_strategies(cached_rows(g.ok)):
-            layout = g.layouts[cached_name]
+        recompute = sorted(reference_rows(g.ok)[SERIES].unique())[:1]
+        for cached_name in ordered_strategies(cached_rows(g.ok)) if recompute else []:
             for batch in sorted(g.ok["batch"].unique()):
                 for ctx, measured in measured_ratio(g.ok, int(batch), cached_name):
-                    flop_ratio = (analytic.generate_flops(g.shape, 1, ctx, n, None)
-                                  / analytic.generate_flops(g.shape, 1, ctx, n, layout))
-                    time_ratio = (analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, None)
-                                  / analytic.generate_time(g.shape, g.dtype, int(batch), ctx, n, g.roof, layout))
+                    flop_ratio, time_ratio = (g.at(recompute[0], batch, ctx, column) / g.at(cached_name, batch, ctx, column)
+                                              for column in ("flops_per_step_model", "predicted_step_s"))
                     body.append([f"{g.model} {g.dtype} ({cached_name})", fmt.count(batch), fmt.count(ctx),
                                  fmt.ratio(flop_ratio), fmt.ratio(time_ratio), fmt.ratio(measured)])
                     flop_ratios.append(flop_ratio)
@@ -193,25 +147,22 @@ def wall_clock_gap(ref: Reference, groups: list[Cohort]) -> list[Block]:
         f"FLOPs against {np.median(measured_ratios):,.3g}x time).")]
 
 
-def prefill_decode(ref: Reference, groups: list[Cohort]) -> list[Block]:
-    s, p = ref.shape, ref.ctx
-    pre = analytic.prefill_bytes_per_token(s, ref.dtype, 1, p)
-    dec = analytic.decode_bytes_per_token(s, ref.dtype, 1, p)
+def prefill_decode(ref: dict, groups: list[Cohort]) -> list[Block]:
+    p, pre, dec = ref["ctx"], ref["prefill_bytes_per_token"], ref["decode_bytes_per_token"]
     out = [Heading("Prefill against decode: bytes per token", 3), Paragraph(
         f"Prefill pushes the p prompt tokens through one read of the weights; decode reads the weights and "
         f"the cache for every token. {_ref_line(ref)}, batch 1, p = {p:,}: prefill "
         f"**{fmt.nbytes(pre)} per token**, decode **{fmt.nbytes(dec)} per token**, a ratio of "
         f"**{dec / pre:,.0f}x** (about p; the same FLOPs per token). Predicted time per token: prefill "
-        f"{fmt.seconds(analytic.prefill_time(s, ref.dtype, 1, p, ref.roof) / p)}, decode "
-        f"{fmt.seconds(analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof))}.")]
+        f"{fmt.seconds(ref['prefill_s'] / p)}, decode {fmt.seconds(ref['cached_step_s'])}.")]
     measured, time_ratios = [], []
     for g in groups:
         rows = cached_rows(g.ok).dropna(subset=["prefill_s", "decode_step_s"])
         for _, r in rows.sort_values(["batch", "ctx"]).iterrows():
             pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
             dec_t = r["decode_step_s"] / r["batch"]
-            b_ratio = (analytic.decode_bytes_per_token(g.shape, g.dtype, int(r["batch"]), int(r["ctx"]))
-                       / analytic.prefill_bytes_per_token(g.shape, g.dtype, int(r["batch"]), int(r["ctx"])))
+            b_ratio = (g.at(None, r["batch"], r["ctx"], "decode_bytes_per_token")
+                       / g.at(None, r["batch"], r["ctx"], "prefill_bytes_per_token"))
             measured.append([f"{g.model} {g.dtype} {r['strategy']}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                              fmt.ratio(b_ratio), fmt.seconds(pre_t), fmt.seconds(dec_t), fmt.ratio(dec_t / pre_t)])
             time_ratios.append(dec_t / pre_t)
@@ -225,38 +176,33 @@ def prefill_decode(ref: Reference, groups: list[Cohort]) -> list[Block]:
         "memory bound, and where batching shares decode's weight reads among sequences.")]
 
 
-def weights_crossover(ref: Reference, groups: list[Cohort]) -> list[Block]:
-    s = ref.shape
-    n = analytic.tokens_to_match_weights(s, ref.dtype)
+def weights_crossover(ref: dict, groups: list[Cohort]) -> list[Block]:
+    n = ref["tokens_to_match_weights"]
     out = [Heading("How many cached tokens weigh as much as the weights", 3), Paragraph(
-        f"{_ref_line(ref)}: weights {fmt.nbytes(analytic.weight_bytes(s, ref.dtype))} ÷ "
-        f"{analytic.kv_bytes_per_token(s, ref.dtype):,} B per token = **{n:,.0f} tokens**, in any split of "
+        f"{_ref_line(ref)}: weights {fmt.nbytes(ref['weight_bytes'])} ÷ "
+        f"{ref['kv_bytes_per_token']:,} B per token = **{n:,.0f} tokens**, in any split of "
         f"batch × tokens: e.g. batch 1 × {n:,.0f}, or batch 32 × {n / 32:,.0f}, or batch 128 × {n / 128:,.0f}.")]
     measured = []
     for g in groups:
-        crossover = analytic.tokens_to_match_weights(g.shape, g.dtype)
+        crossover = g.figures["tokens_to_match_weights"]
         cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
         largest = cached.loc[cached["kv_cache_bytes"].idxmax()] if not cached.empty else None
         text = f"{g.title}: analytic crossover at {crossover:,.0f} tokens"
         if largest is not None:
-            share = largest["kv_cache_bytes"] / analytic.weight_bytes(g.shape, g.dtype)
+            share = largest["kv_cache_bytes"] / g.figures["weight_bytes"]
             text += (f"; the largest measured cache (batch {largest['batch']} × {largest['ctx'] + largest['decode_tokens']:,} "
                      f"tokens) is {fmt.nbytes(largest['kv_cache_bytes'])}, {share:.2%} of the weights")
         measured.append(text)
     return out + [Paragraph("**Measured:**"), Bullets(measured or ["no rows here"])]
 
 
-def equal_batch_tokens(ref: Reference, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
-    s, p = ref.shape, 32768
-    few = analytic.decode_step_bytes(s, ref.dtype, 1, p)
-    many = analytic.decode_step_bytes(s, ref.dtype, 32, p // 32)
-    t_few = analytic.decode_step_time(s, ref.dtype, 1, p, ref.roof)
-    t_many = analytic.decode_step_time(s, ref.dtype, 32, p // 32, ref.roof)
+def equal_batch_tokens(ref: dict, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
+    p, few, many, t_few, t_many = (ref[k] for k in ("long_ctx", "few_bytes", "many_bytes", "few_step_s", "many_step_s"))
     out = [Heading("Equal batch × tokens: many short sequences against few long ones", 3), Paragraph(
         f"{_ref_line(ref)}: batch 1 × {p:,} tokens and batch 32 × {p // 32:,} tokens hold the same cache to "
-        f"the byte ({analytic.kv_cache_bytes(s, ref.dtype, 1, p):,} B = "
-        f"{fmt.nbytes(analytic.kv_cache_bytes(s, ref.dtype, 1, p))}). A step reads the same weights and the "
-        f"same cache (totals {fmt.nbytes(few['total'])} and {fmt.nbytes(many['total'])}: they differ only by "
+        f"the byte ({ref['long_cache_bytes']:,} B = "
+        f"{fmt.nbytes(ref['long_cache_bytes'])}). A step reads the same weights and the "
+        f"same cache (totals {fmt.nbytes(few)} and {fmt.nbytes(many)}: they differ only by "
         f"31 embedding rows) and does the same attention work, so the predicted step times are alike "
         f"({fmt.seconds(t_few)} and {fmt.seconds(t_many)}), but the batch-32 step emits 32 tokens, not one: "
         f"**{32 * t_few / t_many:.1f}x the throughput** for the same memory. Memory sets how many tokens can "
@@ -271,16 +217,17 @@ def equal_batch_tokens(ref: Reference, groups: list[Cohort], sets_by_group: dict
                   Bullets(measured or ["no two rows of one cached strategy share batch × ctx here"])]
 
 
-def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
-    """Every answer, each built on its own (harness.report.guard): one that fails costs only itself."""
-    ref = reference()
+def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict, analytic) -> list[Block]:
+    """Every answer, each built on its own (harness.report.guard): one that fails costs only itself.
+    `analytic`: the loader's harness.analysis.curves.AnalyticTables."""
+    ref = analytic.workload
     out: list[Block] = [
         Heading("What a KV cache buys and costs: the questions, answered"),
-        Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref.batch}, a {ref.ctx:,}-token prompt "
-                  f"and {ref.steps} decode steps unless stated; measured figures come from the rows above.")]
+        Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref['batch']}, a {ref['ctx']:,}-token prompt "
+                  f"and {ref['steps']} decode steps unless stated; measured figures come from the rows above.")]
     for heading, answer in (
             ("Why keys and values can be cached and queries cannot", lambda: cacheable(ref, table)),
-            ("Cache bytes per token, for any shape and dtype", lambda: bytes_per_token(ref, groups)),
+            ("Cache bytes per token, for any shape and dtype", lambda: bytes_per_token(ref, groups, analytic.published)),
             ("How work grows with length: no cache against cache", lambda: growth(ref, groups)),
             ("Why the wall-clock speedup is far below the FLOP saving", lambda: wall_clock_gap(ref, groups)),
             ("Prefill against decode: bytes per token", lambda: prefill_decode(ref, groups)),

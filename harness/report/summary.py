@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.analysis import analytic
 from harness.analysis.results import SERIES
 from harness.report import units as fmt
 from harness.report.document import Table
@@ -51,9 +50,8 @@ def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[l
         time_saved = flops_saved = "–"
         if cached is not None and not reference.empty:
             time_saved = compare(reference, rows[rows[SERIES] == plain]).text()
-            n = int(cached["decode_tokens"])
-            flops_saved = fmt.ratio(analytic.generate_flops(group.shape, int(batch), int(ctx), n, None)
-                                    / analytic.generate_flops(group.shape, int(batch), int(ctx), n, group.layouts[plain]))
+            flops_saved = fmt.ratio(group.at(reference[SERIES].iloc[0], batch, ctx, "flops_per_step_model")
+                                    / group.at(plain, batch, ctx, "flops_per_step_model"))
         split = memory_split(cached if cached is not None else fastest)
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
         fraction, in_rounds = fastest.get("roofline_fraction"), fastest.get("roofline_fraction_in_rounds")

@@ -29,9 +29,10 @@ def rows_table(table: pd.DataFrame) -> Table:
     columns empty in every row left out."""
     table = table[table["status"] == "ok"] if "status" in table else table
     header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
-              "step measured", "step roofline", "ratio", "prefill measured", "prefill roofline", "ratio",
-              "bytes/step (source)", "bytes/step analytic", "ratio", "cache allocated", "cache analytic", "ratio",
-              "peak memory", "peak predicted", "ratio", "tokens/s", "bound", "noisy"]
+              "step measured", "step roofline", "step ÷ roofline", "prefill measured", "prefill roofline",
+              "prefill ÷ roofline", "bytes/step (source)", "bytes/step analytic", "bytes ÷ analytic",
+              "cache allocated", "cache analytic", "cache ÷ analytic", "peak memory", "peak predicted",
+              "peak ÷ predicted", "tokens/s", "bound", "noisy"]
     right = [False, False, False, False, True, True, False] + [True] * 16 + [False, False]
     body = []
     for _, row in table.sort_values(ROW_ORDER).iterrows():
@@ -43,9 +44,9 @@ def rows_table(table: pd.DataFrame) -> Table:
         body.append([
             str(row[SERIES]), str(row["model"]), str(row["dtype"]), str(row["device"]),
             fmt.count(row["batch"]), fmt.count(row["ctx"]), str(row["status"]),
-            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "analytic_decode_step_s")),
+            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "predicted_step_s")),
             fmt.ratio(_get(row, "ratio_decode_step_s")),
-            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "analytic_prefill_s")),
+            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "predicted_prefill_s")),
             fmt.ratio(_get(row, "ratio_prefill_s")),
             bytes_cell, fmt.nbytes(_get(row, "bytes_per_step_model")),
             fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
@@ -58,6 +59,21 @@ def rows_table(table: pd.DataFrame) -> Table:
             str(_get(row, "noise_reason") or "–") if _get(row, "noisy") is True else "–",
         ])
     return without_empty_columns(Table(header, body, right))
+
+
+# rows.csv: the rows table's data, unformatted, under the columns' own names (docs/columns.md, docs/report.md)
+ROWS_CSV_COLUMNS = [SERIES, "strategy", "model", "dtype", "device", "batch", "ctx", "status", "decode_step_s",
+                    "predicted_step_s", "ratio_decode_step_s", "prefill_s", "predicted_prefill_s", "ratio_prefill_s",
+                    "bytes_per_step_measured", "traffic_source", "bytes_per_step_model", "ratio_bytes_per_step_measured",
+                    "kv_cache_bytes", "kv_cache_bytes_model", "ratio_kv_cache_bytes", "peak_memory_bytes",
+                    "peak_memory_predicted_bytes", "ratio_peak_memory_bytes", "tokens_per_s", "roof_bound", "noisy",
+                    "noise_reason", "point_key", "source_file"]
+
+
+def rows_csv(table: pd.DataFrame) -> str:
+    """rows.csv: every row that ran, the same rows as rows_table in its order, as numbers."""
+    ran = table[table["status"] == "ok"].sort_values(ROW_ORDER)
+    return ran[[c for c in ROWS_CSV_COLUMNS if c in ran]].to_csv(index=False)
 
 
 def roofs_table(table: pd.DataFrame) -> Table:
@@ -124,5 +140,5 @@ def equal_product_table(sets: list[tuple[int, pd.DataFrame]]) -> Table:
             body.append([f"{product:,}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                          f"{fmt.count(at_ctx)} B", fmt.nbytes(r["kv_cache_bytes"]),
                          fmt.nbytes(_get(r, "peak_memory_bytes")), fmt.seconds(r["decode_step_s"]),
-                         fmt.number(r["tokens_per_s"]), fmt.number(r["analytic_tokens_per_s"])])
+                         fmt.number(r["tokens_per_s"]), fmt.number(r["predicted_tokens_per_s"])])
     return Table(header, body, [True] * len(header))

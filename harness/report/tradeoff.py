@@ -20,7 +20,6 @@ from typing import Optional
 
 import pandas as pd
 
-from harness.analysis import analytic
 from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval
 from harness.report import units as fmt
@@ -78,8 +77,6 @@ def accuracy_of(row) -> Accuracy:
     if flag(row, "exact"):
         return Accuracy(exact=True)
     perplexity = interval(row, "perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high")
-    if perplexity is None and value(row, "perplexity") is not None and value(row, "perplexity_reference"):
-        perplexity = Interval(*[value(row, "perplexity") / value(row, "perplexity_reference")] * 3)  # older rows
     tokens = value(row, "accuracy_tokens")
     return Accuracy(exact=False, kl=interval(row, "logit_kl_mean", "logit_kl_mean_ci_low", "logit_kl_mean_ci_high"),
                     kl_p99=value(row, "logit_kl_p99"), kl_max=value(row, "logit_kl_max"),
@@ -97,7 +94,7 @@ class VariantPoint:
     ctx: int
     accuracy_ctx: int  # the context its scored tokens follow (the point's ctx where not recorded)
     accuracy_steps: int  # decode steps the scored tokens span (the point's decode_tokens where not recorded)
-    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (analytic.kv_bytes_per_token_held)
+    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the analytic tables: harness.analysis.curves)
     bytes_ratio: float  # ÷ the reference's bytes per token
     step: Optional[Comparison]  # this step ÷ the reference's; None for the reference itself or a noisy row
     noisy: bool  # the row's times are not to be trusted (its accuracy still is)
@@ -116,8 +113,8 @@ def ran_rows(group: Cohort) -> pd.DataFrame:
 def narrow_or_approximate(rows: pd.DataFrame) -> pd.DataFrame:
     """Cached rows stored below the compute dtype's width or not exact: the variants that trade accuracy."""
     cached = cached_rows(rows)
-    bits = cached["cache_value_bits"].fillna(0) > 0 if "cache_value_bits" in cached else False
-    approximate = ~cached["exact"].fillna(True).astype(bool) if "exact" in cached else False
+    bits = cached["cache_value_bits"].fillna(0) > 0
+    approximate = ~cached["exact"].fillna(True).astype(bool)
     return cached[bits | approximate]
 
 
@@ -163,12 +160,10 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
     for _, row in cached.iterrows():
         if (row["batch"], row["ctx"]) not in points:
             continue
-        tokens, layout = int(row["ctx"] + row["decode_tokens"]), group.layouts[row[SERIES]]
-        per_token = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, layout)
-        reference_per_token = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, group.layouts[reference])
+        tokens = int(row["ctx"] + row["decode_tokens"])
+        per_token, reference_per_token = (group.held_at(one, tokens) for one in (row[SERIES], reference))
         steps = max(int(row["decode_tokens"]), 1)
-        seconds = [analytic.mean_decode_step(group.shape, group.dtype, int(row["batch"]), int(row["ctx"]), steps,
-                                             one, group.roof).seconds for one in (layout, group.layouts[reference])]
+        seconds = [group.at(one, row["batch"], row["ctx"], "predicted_step_s") for one in (row[SERIES], reference)]
         mine_is_reference = row[SERIES] == reference
         accuracy_ctx, accuracy_steps = value(row, "accuracy_ctx"), value(row, "accuracy_steps")
         found.append(VariantPoint(
@@ -211,7 +206,7 @@ def front_points(group: Cohort, points: list[VariantPoint]) -> list[FrontPoint]:
         measured = [p for (c, _), p in sorted(best.items()) if c == ctx]
         tokens = ctx + max(p.accuracy_steps for p in measured)  # every variant compared at one length
         for p in measured + list(exact.values()):
-            held = analytic.kv_bytes_per_token_held(group.shape, group.dtype, tokens, group.layouts[p.series])
+            held = group.held_at(p.series, tokens)
             found.append(FrontPoint(p.series, ctx, held, p.accuracy))
     return found
 

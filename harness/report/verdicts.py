@@ -138,9 +138,13 @@ def resolution(verdicts: list[Verdict]) -> tuple[float, int] | None:
     return widths[len(widths) // 2], len(widths)
 
 
-def resolution_paragraph(verdicts: list[Verdict]) -> Paragraph:
-    """The paragraph under the summary: the smallest difference this run could resolve, and why."""
+def resolution_paragraph(verdicts: list[Verdict], noisy: int = 0) -> Paragraph:
+    """The paragraph under the summary: the smallest difference this run could resolve, and why;
+    `noisy`: rows left out as noisy (which may be every row timed together)."""
     found = resolution(verdicts)
+    if found is None and noisy:
+        return Paragraph(f"No paired comparison is left to resolve a difference: the {noisy} noisy row(s) are left "
+                         "out (below), and with them the strategies they were timed together with.")
     if found is None:
         return Paragraph("No two strategies were timed in the same rounds here, so no difference between them is "
                          "resolved: rows timed apart differ by the machine's drift between them as much as by the "

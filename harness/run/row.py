@@ -7,13 +7,14 @@ import dataclasses
 import json
 from datetime import datetime, timezone
 
-from harness.analysis import analytic, compression
+from harness.analysis.analytic import Roof
+from harness.analysis.predictions import ROOF_FREE, predict
 from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
 from harness.config.point import COLUMN
 from harness.run.metadata import run_metadata
-from harness.store.columns import COLUMN_NAMES, COLUMNS_BY_SOURCE
+from harness.store.columns import COLUMN_NAMES, COLUMNS_BY_SOURCE, SCHEMA_VERSION
 
 
 def flatten(obj, prefix: str = "") -> dict:
@@ -46,45 +47,39 @@ def _nested(value, holder: str) -> dict:
     return columns
 
 
+def _predict(point: Point, roof: Roof | None) -> dict:
+    return predict(point.model, point.dtype, point.batch, point.ctx, point.decode_tokens, point.strategy.layout, roof)
+
+
 def model_columns(point: Point) -> dict:
-    """The analytic model at the point: one call of analytic.mean_decode_step."""
-    layout, shape = point.strategy.layout, point.model
-    step = analytic.mean_decode_step(shape, point.dtype, point.batch, point.ctx, point.decode_tokens, layout)
-    return {
-        "weight_bytes": analytic.weight_bytes(shape, point.dtype),
-        "kv_cache_bytes_model": round(analytic.kv_cache_bytes(shape, point.dtype, point.batch, point.max_len, layout)),
-        "peak_memory_predicted_bytes": predicted_peak_bytes(point),
-        "bytes_per_step_model": round(step.bytes),
-        "flops_per_step_model": step.flops,
-        "cache_share_of_step_bytes": compression.cache_share_of_step_bytes(shape, point.dtype, point.batch, point.ctx,
-                                                                            point.decode_tokens, layout),
-        "context_to_match_weights": (compression.context_to_match_weights(shape, point.dtype, point.batch, layout)
-                                     if layout is not None else None),
-    }
+    """The analytic model at the point, roofs aside (harness.analysis.predictions), and the memory model."""
+    return {**{k: v for k, v in _predict(point, None).items() if k in ROOF_FREE},
+            "peak_memory_predicted_bytes": predicted_peak_bytes(point)}
 
 
-def roof_columns(row: dict, roofs) -> dict:
-    """The roofs the row is judged against and the fractions of them the measured step reached."""
+def roof_columns(point: Point, row: dict, roofs) -> dict:
+    """The roofs the row is judged against, what the analytic model predicts at them
+    (predicted_step_s, predicted_prefill_s, roof_bound), and the fractions of them the measured step reached."""
     columns = dict.fromkeys(COLUMNS_BY_SOURCE["roofs"])
     if roofs is None:
         return columns
     columns.update(roof_bandwidth_Bps=roofs.read_bandwidth_Bps, roof_flops=roofs.matmul_flops,
                    roof_bandwidth_gemv_Bps=roofs.gemv_bandwidth_Bps)
+    predicted = _predict(point, Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=roofs.read_bandwidth_Bps))
+    columns.update({k: predicted[k] for k in ("predicted_step_s", "predicted_prefill_s", "roof_bound")})
     step_bytes, step_flops = row["bytes_per_step_model"], row["flops_per_step_model"]
-    roof = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=roofs.read_bandwidth_Bps)
-    columns["roof_bound"] = analytic.bound(step_flops, step_bytes, roof)
     if row["status"] == "ok":
         step = row["decode_step_s"]
         columns["bandwidth_fraction"] = step_bytes / step / roofs.read_bandwidth_Bps
         columns["flops_fraction"] = step_flops / step / roofs.matmul_flops
         # The binding roof's fraction: how close the step came to what this machine allows at all. A
         # compute-bound step cannot reach a bandwidth fraction above ridge / intensity, however good.
-        columns["roofline_fraction"] = analytic.roofline_time(step_flops, step_bytes, roof) / step
+        columns["roofline_fraction"] = predicted["predicted_step_s"] / step
         in_rounds = row["roof_bandwidth_in_rounds_Bps"]
         if in_rounds:  # the same step against the read the machine gave in the step's own rounds
             columns["bandwidth_fraction_in_rounds"] = step_bytes / step / in_rounds
-            window = analytic.Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=in_rounds)
-            columns["roofline_fraction_in_rounds"] = analytic.roofline_time(step_flops, step_bytes, window) / step
+            window = _predict(point, Roof(flops_per_s=roofs.matmul_flops, bytes_per_s=in_rounds))
+            columns["roofline_fraction_in_rounds"] = window["predicted_step_s"] / step
     return columns
 
 
@@ -108,9 +103,9 @@ def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int =
     outcome = {**dict.fromkeys(COLUMNS_BY_SOURCE["measured"]), "traffic_source": "model",
                **{k: v for k, v in measured.items() if k in COLUMNS_BY_SOURCE["measured"]}}
     row = {**flatten(point), **outcome, **model_columns(point)}
-    row.update(roof_columns(row, roofs))
+    row.update(roof_columns(point, row, roofs))
     row.update(noise_columns(row))
-    row.update(run_metadata(sweep_parallelism), timestamp=datetime.now(timezone.utc), point_key=point.key,
+    row.update(run_metadata(sweep_parallelism), schema_version=SCHEMA_VERSION, timestamp=datetime.now(timezone.utc), point_key=point.key,
                config_json=json.dumps(point.record(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):
         raise AssertionError(f"row and schema disagree: {sorted(set(row) ^ set(COLUMN_NAMES))}")

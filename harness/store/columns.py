@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+# The version of the column set below: raise it, and add a step to harness.store.upgrade, whenever a
+# column is added, renamed or changes meaning, so rows written before read as rows of today.
+SCHEMA_VERSION = 1
+
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 T = pa.timestamp("us", tz="UTC")
 
@@ -189,6 +193,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("cache_share_of_step_bytes", F, "", "share of bytes_per_step_model that is cache (read, written, copied): the most any compression of this cache can save of the step", "model"),
     ("context_to_match_weights", F, "tokens", "tokens per sequence at which this batch's cache, as the layout stores it (kept tokens, layers, key channels, format), weighs as much as the weights a decode step reads (the cache is then half the step's bytes); null without a cache or where a token budget keeps it below them", "model"),
     ("flops_per_step_model", F, "FLOP", "FLOPs of a decode step, mean over the timed steps", "model"),
+    ("kv_bytes_per_token_held", F, "B", "cache bytes per token held at ctx + decode_tokens, blocks, scales and full-width window included (harness.analysis.analytic.kv_bytes_per_token_held); null without a cache", "model"),
+    ("kv_cache_used_bytes_model", F, "B", "bytes the analytic model says the cache needs for ctx + decode_tokens tokens per sequence (blocks rounded up; no preallocation beyond them); null without a cache", "model"),
     # roofs (calibration)
     ("roof_bandwidth_Bps", F, "B/s", "read bandwidth calibrated on this device and dtype; null if not calibrated", "roofs"),
     ("roof_flops", F, "FLOP/s", "matmul rate calibrated on this device and dtype; null if not calibrated", "roofs"),
@@ -196,14 +202,17 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("roof_in_rounds_kernel", S, "", "the read kernel behind roof_bandwidth_in_rounds_Bps: aten (torch.mv), packed (oneDNN) or c", "measured"),
     ("roof_bandwidth_gemv_Bps", F, "B/s", "the same calibration's best matrix-vector read (what a decode step's weight reads can reach); below roof_bandwidth_Bps where a stream set the roof", "roofs"),
     ("roof_bound", S, "", "the roof that binds the step at the calibrated roofs: memory or compute", "roofs"),
+    ("predicted_step_s", F, "s", "the analytic decode step at the calibrated roofs: each timed step's roofline time (the larger of its bytes over the read roof and its FLOPs over the FLOP roof), mean over the timed steps (harness.analysis.analytic.mean_decode_step); null if not calibrated", "roofs"),
+    ("predicted_prefill_s", F, "s", "the analytic prefill of the prompt at the calibrated roofs (harness.analysis.analytic.prefill_time); null if not calibrated", "roofs"),
     ("bandwidth_fraction", F, "", "share of the read roof reached: bytes_per_step_model / decode_step_s / roof_bandwidth_Bps", "roofs"),
     ("flops_fraction", F, "", "share of the FLOP roof reached: flops_per_step_model / decode_step_s / roof_flops", "roofs"),
-    ("roofline_fraction", F, "", "roofline time at the calibrated roofs / decode_step_s: max(bandwidth_fraction, flops_fraction)", "roofs"),
+    ("roofline_fraction", F, "", "share of the binding roof reached: predicted_step_s / decode_step_s (max(bandwidth_fraction, flops_fraction) unless the timed steps cross the ridge)", "roofs"),
     ("bandwidth_fraction_in_rounds", F, "", "bytes_per_step_model / decode_step_s / roof_bandwidth_in_rounds_Bps: the read roof of the point's own window", "roofs"),
-    ("roofline_fraction_in_rounds", F, "", "roofline time at roof_bandwidth_in_rounds_Bps and roof_flops / decode_step_s", "roofs"),
+    ("roofline_fraction_in_rounds", F, "", "predicted_step_s at roof_bandwidth_in_rounds_Bps and roof_flops / decode_step_s", "roofs"),
     ("noisy", B, "", "the row's numbers are not to be trusted (contention, spread, a fraction above the roof, or a slow window: harness.run.windows)", "roofs"),
     ("noise_reason", S, "", "why the row is noisy; empty when it is not", "roofs"),
     # run metadata
+    ("schema_version", I, "", "version of this column set the row was written with (SCHEMA_VERSION); harness.store.upgrade brings older rows to the current one on read", "run"),
     ("timestamp", T, "UTC", "when the row was written", "run"),
     ("torch_version", S, "", "torch.__version__ of the run", "run"),
     ("harness_version", S, "", "version of this package", "run"),

@@ -1,0 +1,73 @@
+"""Rows of any earlier schema_version read as rows of today: the one place that knows how the column
+set changed (harness.store.columns.SCHEMA_VERSION), used by every reader (harness.analysis.results.load).
+
+A row without `schema_version` was written before the column existed: version 0. Each step below
+brings rows of one version to the next; after the steps, every column of today's schema that a row
+still lacks is added, null, with its schema type. What a step cannot know without the analytic model
+(the prediction columns of version 1) it leaves null: the loader's re-prediction step fills those
+(harness.analysis.results.add_predictions), since the store sits above the analysis in the layers.
+
+So no reader checks whether a column exists, or what a null meant in an older row: here it is said
+once, per version.
+"""
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+
+from harness.store.columns import SCHEMA, SCHEMA_VERSION
+
+
+def _to_version_1(rows: pd.DataFrame, old: pd.Series) -> None:
+    """Version 0 (before 2026-12) to 1: the prediction columns were added (left null, for the loader's
+    re-prediction), and columns added over version 0's life read as what they meant before they
+    existed: default pages, eager (no compile), the variant's class is the strategy itself, seeded
+    random weights, the accuracy scored after the point's own ctx, and a perplexity ratio (without an
+    interval) from the two perplexities where only they were recorded."""
+    for column, before in (("hugepages", False), ("compile", "none"), ("weights", "random")):
+        if column in rows:
+            rows.loc[old & rows[column].isna(), column] = before
+    if "strategy_family" in rows and "strategy" in rows:
+        rows.loc[old & rows["strategy_family"].isna(), "strategy_family"] = rows["strategy"]
+    scored = old & rows["logit_kl_mean"].notna() & rows["accuracy_ctx"].isna()
+    rows.loc[scored, "accuracy_ctx"] = rows.loc[scored, "ctx"]
+    perplexities = pd.to_numeric(rows["perplexity"], errors="coerce") / pd.to_numeric(
+        rows["perplexity_reference"], errors="coerce").where(lambda p: p != 0)
+    alone = old & rows["perplexity_ratio"].isna() & perplexities.notna()
+    for column in ("perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high"):
+        rows.loc[alone, column] = perplexities[alone]
+
+
+STEPS = {0: _to_version_1}  # version -> the function bringing its rows to the next version
+
+
+def upgrade(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows, of any versions at once, brought to SCHEMA_VERSION; every schema column present (a copy)."""
+    rows = complete(rows)
+    version = pd.to_numeric(rows["schema_version"], errors="coerce").fillna(0).astype(int)
+    for step_from in sorted(STEPS):
+        old = version <= step_from
+        if old.any():
+            STEPS[step_from](rows, old)
+    rows["schema_version"] = pd.array([SCHEMA_VERSION] * len(rows), dtype="Int64")
+    return rows
+
+
+def complete(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows (a copy) with every column of today's schema, those it lacks null with their schema type."""
+    missing = {field.name: pd.Series([None] * len(rows), index=rows.index, dtype=_pandas_dtype(field.type))
+               for field in SCHEMA if field.name not in rows}
+    return pd.concat([rows, pd.DataFrame(missing, index=rows.index)], axis=1) if missing else rows.copy()
+
+
+def _pandas_dtype(arrow_type: pa.DataType):
+    """The pandas dtype a column of this Arrow type reads as (nullable integers and booleans)."""
+    if pa.types.is_integer(arrow_type):
+        return "Int64"
+    if pa.types.is_floating(arrow_type):
+        return "float64"
+    if pa.types.is_boolean(arrow_type):
+        return "boolean"
+    if pa.types.is_timestamp(arrow_type):
+        return "datetime64[us, UTC]"
+    return "object"
