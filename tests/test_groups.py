@@ -12,6 +12,7 @@ from harness.measure.group import GroupRequest, measure_group
 from harness.measure.intervals import median_interval, paired_ratio
 from harness.report.verdicts import compare, verdict
 from harness.run.grouping import form_groups
+from harness.config import ConfigError
 from harness.run.plan import plan
 from tests.conftest import QUICK_CALIBRATION, planned_point, run_cli
 
@@ -110,22 +111,28 @@ def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
     assert len({p.key for g in repeated for p in g.points}) == 12
 
 
-def test_a_launchers_jobs_find_the_groups_they_lead_and_nothing_else(tmp_path):
-    """Jobs of a launcher run in processes of their own: the plan leaves each job a file of the groups it
-    measures (led by the group's first member), an empty one for the jobs whose points another job times."""
-    from harness.run.grouping import find_work, leaders, leave_work
+def test_a_groups_job_is_named_by_one_override_and_plans_its_members_again():
+    """A group is one Hydra job: its override (+group=<spec>) carries the members' overrides and keys, which
+    a launcher's job in another process plans again to the same points; nothing goes through results_dir."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    jobs = _jobs("strategy=no_cache,contiguous,paged", "batch=1,2")
-    groups = form_groups(jobs, "shape", 1, seed=0)
-    leave_work(tmp_path, jobs, leaders(groups))
-    found = {tuple(job.overrides): find_work(tmp_path, job.overrides) for job in jobs}
-    led = [group for work in found.values() for group in work]
-    assert sorted(g.group_id for g in led) == sorted(g.group_id for g in groups)  # each group once
-    for group in groups:
-        assert [g.group_id for g in found[tuple(group.jobs[0].overrides)]] == [group.group_id]
-        for member in group.jobs[1:]:
-            assert found[tuple(member.overrides)] == []
-    assert find_work(tmp_path, ["strategy=contiguous", "batch=99"]) is None  # a job no plan left work for
+    from harness.run.grouping import GroupSpec
+    from harness.run.plan import plan_group
+
+    groups = form_groups(_jobs("strategy=no_cache,contiguous,paged", "batch=1,2"), "shape", 2, seed=0)
+    assert len(groups) == 8  # 2 batches x (the recompute reference, the caches) x 2 repeats: 8 jobs
+    group = next(g for g in groups if len(g.jobs) == 2 and g.points[0].repeat == 1)
+    spec = GroupSpec.of(group, first=5)
+    override = spec.override()
+    (parsed,) = OverridesParser.create().parse_overrides([override])  # one plain value to Hydra
+    assert parsed.key_or_group == "group" and parsed.value() == spec.encode()
+    assert GroupSpec.decode(spec.encode()) == spec
+    members = plan_group(spec, cuda_available=lambda: False)
+    assert [job.point.key for job in members] == [job.point.key for job in group.jobs]
+    assert all(job.point.repeat == 1 and job.point.interleave == "shape" for job in members)
+    forged = dataclasses.replace(spec, members=((group.jobs[1].point.key, spec.members[0][1]), spec.members[1]))
+    with pytest.raises(ConfigError, match="group"):
+        plan_group(forged, cuda_available=lambda: False)
 
 
 def test_the_recompute_reference_is_timed_apart_from_the_caches():

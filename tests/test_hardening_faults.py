@@ -96,6 +96,10 @@ def test_rerun_rules():
     assert rerun_reason(foreign, fake_cfg()) is None
     assert "other code" in rerun_reason(foreign, fake_cfg(rerun_other_code=True))
     assert rerun_reason(ok, fake_cfg(overwrite=True)) == "overwrite=true"
+    # A slow window killed while measured again left its rows flagged: the next run measures them again.
+    from harness.run.windows import REMEASURING
+    pending = FinishedRow(Path("x"), "ok", here, f"spread; {REMEASURING}")
+    assert "slow window" in rerun_reason(pending, fake_cfg())
 
 
 def two_failed_rows(tmp_path):
@@ -313,12 +317,12 @@ def test_a_calibration_within_a_small_budget_records_what_it_did():
 
 def test_a_point_that_does_not_fit_leaves_kernel_null(tmp_path):
     """In a sweep (-m) the plan keeps such a point and the runner writes its skipped row, measuring nothing."""
-    from harness.run.execute import measure_planned
+    from harness.run.execute import RunContext, measure_planned
     from harness.run.plan import plan
 
     results = seeded(tmp_path / "results")
     (job,) = plan(["-m", *FAST, f"batch={2**30}", f"results_dir={results}"], cuda_available=NO_CUDA).jobs
-    measure_planned(job.config, job)
+    measure_planned(RunContext(), job)
     (row,) = pq.read_table(results).to_pylist()
     assert row["status"] == "skipped" and "does not fit" in row["reason"] and row["kernel"] is None
 

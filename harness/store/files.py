@@ -41,6 +41,7 @@ class FinishedRow:
     path: Path
     status: Optional[str]  # ok | skipped | failed
     git_commit: Optional[str]  # the code state that wrote it (harness.run.metadata.git_commit)
+    noise_reason: Optional[str] = None  # why its timing is suspect (a slow window pending its second measurement)
 
 
 def read_finished(path: Path) -> FinishedRow | None:
@@ -51,11 +52,12 @@ def read_finished(path: Path) -> FinishedRow | None:
         if parquet.metadata.num_rows != 1:
             return None
         names = set(parquet.schema_arrow.names)
-        columns = [c for c in ("status", "git_commit") if c in names]
+        columns = [c for c in ("status", "git_commit", "noise_reason") if c in names]
         values = parquet.read(columns=columns).to_pylist()[0] if columns else {}
     except Exception:  # pyarrow raises several types for a damaged file
         return None
-    return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"))
+    return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"),
+                       noise_reason=values.get("noise_reason"))
 
 
 def finished_row(results_dir: str | Path, key: str) -> FinishedRow | None:
