@@ -4,8 +4,9 @@ now (in a process of its own), once per process.
 Records live in `<results_dir>/_calibration/` (harness.store.calibration) and are reused by every
 later point on the same host until `calibrate=true` forces a new measurement. Two processes never
 calibrate one device and dtype at once: `ensure` holds an exclusive lock on
-`_calibration/<host>__<device>__<dtype>.lock` (fcntl.flock, released by the kernel when a process dies) while
-it measures, and a second process waits for it, then reuses the record the first one wrote.
+`_calibration/<host>__<device>__<dtype>.lock` (harness.files.exclusive: an flock, released by the kernel
+when a process dies) while it measures, and a second process waits for it, then reuses the record the
+first one wrote.
 
 A calibration has a wall-time budget (`calibration_budget_s`): it says so in the log before it starts,
 each kernel's repeats stop once its share of the budget is spent (one timed run at least), and the
@@ -21,14 +22,12 @@ contended is stored with its contention and a warning naming `calibrate=true`, n
 """
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness.files import WAIT_S, exclusive
 from harness.measure.contention import CONTENTION_LIMIT
 from harness.measure.roofs import measure_within
 from harness.store.calibration import Calibration, load, record_path, save  # noqa: F401 (record_path for callers)
@@ -44,22 +43,6 @@ def lock_path(results_dir: str | Path, device: str, dtype: str) -> Path:
     return record_path(results_dir, device, dtype).with_suffix(".lock")
 
 
-@contextmanager
-def _exclusive(path: Path, label: str):
-    """Hold an exclusive flock on `path` (created if missing); log once when another process has it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info(f"another process is calibrating {label} ({path}): waiting for it, then using its record")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
            budget_s: float = DEFAULT_BUDGET_S, c_linear: bool = False) -> tuple[Calibration, bool]:
     """The calibration to judge points against: stored, or measured now via `run(measure_within, arg)`
@@ -73,7 +56,8 @@ def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
             return stored, False
     label = f"{device}/{dtype}"
     asked = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with _exclusive(lock_path(results_dir, device, dtype), label):
+    # harness.files' one waiting rule; a calibration takes at most its budget (ATTEMPTS within it)
+    with exclusive(lock_path(results_dir, device, dtype), f"calibrating {label}", max(WAIT_S, 2 * budget_s)):
         stored = load(results_dir, device, dtype)  # written by whoever held the lock before us?
         if stored is not None and covers(stored, c_linear) and (not force or stored.timestamp >= asked):
             return stored, False
@@ -83,11 +67,7 @@ def ensure(results_dir: str | Path, device: str, dtype: str, force: bool, run,
         began = time.monotonic()
         outcome = _least_contended(run, (device, dtype, float(budget_s), c_linear), label)
         log.info(f"calibration of {label} took {time.monotonic() - began:.1f} s")
-        try:
-            save(results_dir, outcome)
-        except OSError:  # a full disk: no half-written temporary is left behind
-            path.with_name(f".{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
-            raise
+        save(results_dir, outcome)  # whole or not at all (a full disk leaves no temporary)
     return outcome, True
 
 
