@@ -58,14 +58,17 @@ def could_be_reference(point: Point) -> bool:
     return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
 
 
-def reference_index(members: list[Member]) -> int | None:
-    """The group's reference: among the exact cached members that ran, one that could be a reference
-    (could_be_reference) first, then the lexically first strategy name, so the choice never depends on
-    the order the sweep listed them in (the report's plain cache is chosen the same way); None when none ran."""
-    ran = [i for i, m in enumerate(members) if m.live and m.point.strategy.exact and m.point.strategy.caches_kv]
-    if not ran:
+def reference_index(points, ran=None) -> int | None:
+    """The group's reference, the one rule for it (the runner times it again beside re-measured members,
+    and the rows record it as group_reference): among the exact cached members that ran (`ran`, one
+    bool per point; None: as if all did), one that could be a reference (could_be_reference) first,
+    then the lexically first strategy name, so the choice never depends on the order the sweep listed
+    them in; None when none ran."""
+    live = [i for i, point in enumerate(points) if (ran is None or ran[i]) and point.strategy.exact
+            and point.strategy.caches_kv]
+    if not live:
         return None
-    return min(ran, key=lambda i: (not could_be_reference(members[i].point), members[i].point.strategy.name, i))
+    return min(live, key=lambda i: (not could_be_reference(points[i]), points[i].strategy.name, i))
 
 
 def measure_group(request: GroupRequest) -> list[dict]:
@@ -109,7 +112,7 @@ class _GroupRun:
             ready += member.live
         live = any(m.live for m in self.members)
         rounds = self.run_rounds(self.read_probe()) if live else None  # nothing to time when none set up
-        reference = reference_index(self.members)
+        reference = reference_index([m.point for m in self.members], [m.live for m in self.members])
         outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
                     for i, member in enumerate(self.members)]
         references = ReferencePasses()  # the exact reference's accuracy pass, run once for every member

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from harness.measure.contention import ROOF_LIMIT
-from harness.measure.group import GroupRequest, could_be_reference, measure_group
+from harness.measure.group import GroupRequest, measure_group, reference_index
 from harness.measure.ncu import measure_traffic
 from harness.measure.decoding import not_run
 from harness.run import calibrate, windows
@@ -202,10 +202,11 @@ def measure_planned_group(context: RunContext, group: PlannedGroup) -> MeasuredG
             pending.append(job)
     if not pending:
         return None
-    # A finished reference is timed again beside the members that are not (its row is kept).
+    # The group's reference, finished, is timed again beside the members that are not (its row is kept).
     to_write = {job.point.key for job in pending}
-    timed = [job for job in group.jobs
-             if job.point.key in to_write or (could_be_reference(job.point) and job.does_not_fit is None)]
+    runnable = [job for job in group.jobs if job.does_not_fit is None]
+    reference = reference_index([job.point for job in runnable])
+    timed = [job for i, job in enumerate(runnable) if job.point.key in to_write or i == reference]
     return measure_timed(context, group.group_id, timed, to_write)
 
 
