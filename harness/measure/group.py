@@ -34,7 +34,7 @@ from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
-from harness.measure.decoding import accuracy, tokens_digest
+from harness.measure.decoding import PREFILL, accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
@@ -171,7 +171,9 @@ class _GroupRun:
 
     def _timed_columns(self, index: int, member: Member, rounds: dict) -> dict:
         timed: Rounds = rounds["rounds"]
-        point, stats, prefill = member.point, timed.stats(str(index)), member.prefill
+        point, stats = member.point, timed.stats(str(index))
+        prefill = member.prefill.stats(PREFILL) if member.prefill else None  # the prompt's own rounds
+        prefill_interval = member.prefill.median(PREFILL) if member.prefill else None
         step, roof = timed.median(str(index)), timed.roof
         return {
             "status": "ok", "reason": "", "kernel": member.kernel,
@@ -182,6 +184,8 @@ class _GroupRun:
             "prefill_s": prefill.p50 if prefill else None,
             "prefill_p10_s": prefill.p10 if prefill else None,
             "prefill_p90_s": prefill.p90 if prefill else None,
+            "prefill_ci_low_s": prefill_interval.low if prefill else None,
+            "prefill_ci_high_s": prefill_interval.high if prefill else None,
             "prefill_repeats": prefill.count if prefill else None,
             "decode_step_s": stats.p50, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
             "decode_step_ci_low_s": step.low, "decode_step_ci_high_s": step.high,
