@@ -65,7 +65,9 @@ def test_a_group_times_every_member_in_the_same_rounds(tiny_group):
     assert set(ran) == {"paged", "contiguous", "no_cache", "quantized"}
     assert tiny_group["flash"]["status"] == "skipped" and tiny_group["flash"]["group_id"] == "g0"
     rounds = ran["contiguous"]["rounds"]
-    assert rounds % 6 == 0 and 6 < rounds <= 6 * 8  # tiny steps: passes over the 6 positions fill the budget
+    # Whole passes over the 6 positions, as many as the budget holds: one on a machine busy enough that a
+    # pass overruns it (how passes fill a budget is tests/test_rounds.py's, with planted times).
+    assert rounds % 6 == 0 and 6 <= rounds <= 6 * 8
     for row in ran.values():
         assert row["group_id"] == "g0" and row["group_size"] == 5 and row["rounds"] == rounds
         assert len(row["decode_step_times_s"]) == row["decode_steps_timed"] == rounds
