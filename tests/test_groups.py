@@ -14,7 +14,7 @@ from harness.report.verdicts import compare, verdict
 from harness.run.grouping import form_groups
 from harness.config import ConfigError
 from harness.run.plan import plan
-from tests.conftest import QUICK_CALIBRATION, planned_point, run_cli
+from tests.conftest import QUICK_CALIBRATION, planned_point, refused_by_runner, run_cli
 
 PLUGIN = f"hydra.searchpath=[file://{Path(__file__).parent / 'plugin' / 'conf'}]"
 
@@ -132,6 +132,7 @@ def test_a_groups_job_is_named_by_one_override_and_plans_its_members_again():
     members = plan_group(spec, cuda_available=lambda: False)
     assert [job.point.key for job in members] == [job.point.key for job in group.jobs]
     assert all(job.point.repeat == 1 and job.point.interleave == "shape" for job in members)
+    assert refused_by_runner("+group=" + spec.encode(), "model=tiny").startswith("error: group: ")  # not the user's
     forged = dataclasses.replace(spec, members=((group.jobs[1].point.key, spec.members[0][1]), spec.members[1]))
     with pytest.raises(ConfigError, match="group"):
         plan_group(forged, cuda_available=lambda: False)

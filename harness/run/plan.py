@@ -344,6 +344,8 @@ def _check_job_options(job: list[str]) -> None:
     then run as a preset with every field missing."""
     for override in job:
         key, _, value = override.lstrip("+~").partition("=")
+        if key == GROUP_KEY:
+            raise ConfigError(GROUP_KEY, "is how the runner tells a job its group (harness.run.grouping), not a setting")
         if "." not in key and value.endswith(SCHEMA_SUFFIX):
             raise ConfigError(key, f"'{value}' is the group's schema, not a preset; in a glob() sweep exclude it: "
                                    f"{key}='glob(*,exclude=*{SCHEMA_SUFFIX})'")
