@@ -5,8 +5,8 @@
 # writes a one-node slurm.conf for this host into a temporary folder (its own ports, munge key and
 # socket, state, logs and pid files: nothing under /etc is changed and a Slurm already running here
 # is not touched), starts munged, slurmctld and slurmd as root in the background, waits until sinfo
-# shows the node idle, runs a 4-point sweep through hydra/launcher=slurm and checks that every row
-# landed exactly once, then tests/test_cluster.py's Slurm test (a cancelled job, then the re-run)
+# shows the node idle, runs a 4-point sweep of 2 groups through hydra/launcher=slurm and checks that
+# every row landed exactly once, from one cluster job per group (none idle), then tests/test_cluster.py's Slurm test (a cancelled job, then the re-run)
 # against the same cluster. The daemons it started are stopped on exit, whatever happened; run it
 # again and it starts afresh. The local launcher's tests run in the main pytest run, which finds the
 # plugin this script installed (so .ci/run calls this script before it).
@@ -166,7 +166,7 @@ results="$work/results"
 log="$work/sweep.log"
 status=0
 timeout 300 python -m harness.run -m hydra/launcher=slurm hydra.launcher.partition=ci hydra.launcher.timeout_min=10 \
-  model=tiny strategy=contiguous,no_cache batch=1,2 ctx=16 decode_tokens=4 device=cpu results_dir="$results" \
+  model=tiny strategy=contiguous,paged batch=1,2 ctx=16 decode_tokens=4 device=cpu results_dir="$results" \
   >"$log" 2>&1 || status=$?
 if [ "$status" -ne 0 ]; then
   tail -n 40 "$log" >&2
@@ -197,13 +197,14 @@ assert (frame.sweep_parallelism == 256).all(), f"rows must say their jobs could 
 assert not list(results.glob(".*.tmp-*")), "a temporary row file was left behind"
 sweeps = list((results / "_hydra" / "multirun").iterdir())
 assert len(sweeps) == 1, f"expected the sweep's one log folder under _hydra/multirun/, found {sweeps}"
-assert sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"], "Hydra's job logs"
+assert frame.group_id.nunique() == 2, f"expected 2 groups (contiguous beside paged per batch): {frame.group_id}"
+assert sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit()) == ["0", "1"], "Hydra's job logs: one per group"
 jobs = sorted(p.parent.name for p in sweeps[0].glob(".submitit/*/*_result.pkl"))
-assert len(jobs) == 4 and len({job.split("_")[0] for job in jobs}) == 1 and all("_" in job for job in jobs), \
-    f"expected the 4 tasks of one Slurm job array under .submitit/, found {jobs}"
+assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1 and all("_" in job for job in jobs), \
+    f"expected one cluster job per group, the 2 tasks of one Slurm job array under .submitit/, found {jobs}"
 print(f"slurm.sh: one job array, tasks {', '.join(jobs)}; logs under {sweeps[0].relative_to(results)}")
 EOF
-say "Slurm sweep: 4 rows, each once, all ok"
+say "Slurm sweep: 4 rows, each once, all ok, from 2 cluster jobs (one per group)"
 
 HARNESS_REQUIRE_SLURM=1 python -m pytest -q -p no:cacheprovider -m slow tests/test_cluster.py -k slurm \
   || fail "tests/test_cluster.py's Slurm test against the cluster"

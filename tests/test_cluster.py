@@ -1,7 +1,8 @@
 """The cluster launchers of conf/hydra/launcher/ (docs/cluster.md), through hydra-submitit-launcher.
 
-A sweep lands every row exactly once, one job per point, every job's logs under the sweep's one
-folder in <results_dir>/_hydra/; the local launcher runs its points one at a time; a sweep or a job
+A sweep lands every row exactly once, one job per measured group (the points timed together), none
+idle, every job's logs under the sweep's one folder in <results_dir>/_hydra/; the local launcher runs
+its groups one at a time; a sweep or a job
 that dies leaves only whole rows (a dead job ends the sweep with an error once submitit sees it gone),
 and the next run of the same command measures the missing points and keeps the others.
 
@@ -113,23 +114,24 @@ def test_each_launcher_plans_every_point_once(results_dir):
 
 
 @pytest.mark.slow
-def test_local_launcher_runs_each_point_once_one_at_a_time(results_dir):
-    # Three points (each a process that imports torch): enough to see one-at-a-time twice.
-    points = [arg.replace("strategy=contiguous,no_cache", "strategy=contiguous").replace("batch=1,2", "batch=1,2,3")
+def test_local_launcher_runs_each_group_once_one_at_a_time(results_dir):
+    # Three groups of two points (each job a process that imports torch): enough to see one-at-a-time twice.
+    points = [arg.replace("strategy=contiguous,no_cache", "strategy=contiguous,paged").replace("batch=1,2", "batch=1,2,3")
               for arg in POINTS]
-    result = run_cli("-m", "hydra/launcher=local", *points, *QUICK, f"results_dir={results_dir}", timeout=150)
+    result = run_cli("-m", "hydra/launcher=local", *points, *QUICK, f"results_dir={results_dir}", timeout=200)
     assert result.returncode == 0, _tail(result)
-    frame = assert_each_row_once(results_dir, 3)
+    frame = assert_each_row_once(results_dir, 6)
     assert (frame.hostname == socket.gethostname()).all()
-    assert (frame.sweep_parallelism == 1).all()  # each point timed alone, and its row says so
+    assert (frame.sweep_parallelism == 1).all()  # each group timed alone, and its rows say so
+    assert frame.groupby("batch").group_id.nunique().eq(1).all()  # each batch's two points timed together
     sweep = sweep_folder(results_dir)
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2"]  # Hydra's job logs
     spans = job_spans(sweep)
-    assert len(spans) == 3  # one submitit job per point, each logged under the sweep's folder
+    assert len(spans) == 3  # one submitit job per group (none idle), each logged under the sweep's folder
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans  # one at a time
     # The parent measured nothing itself: its closing line counts what landed in the folder.
     output = result.stdout + result.stderr
-    assert "3 point(s) in" in output and ": 3 ok." in output, _tail(result)
+    assert "6 point(s) in" in output and ": 6 ok." in output, _tail(result)
     assert f"Report: python -m harness.report results_dir={results_dir}" in output
     assert "Launching" not in output  # the launcher's per-job lines are off without hydra.verbose
 

@@ -96,6 +96,10 @@ def test_rerun_rules():
     assert rerun_reason(foreign, fake_cfg()) is None
     assert "other code" in rerun_reason(foreign, fake_cfg(rerun_other_code=True))
     assert rerun_reason(ok, fake_cfg(overwrite=True)) == "overwrite=true"
+    # A slow window killed while measured again left its rows flagged: the next run measures them again.
+    from harness.run.windows import REMEASURING
+    pending = FinishedRow(Path("x"), "ok", here, f"spread; {REMEASURING}")
+    assert "slow window" in rerun_reason(pending, fake_cfg())
 
 
 def two_failed_rows(tmp_path):
@@ -265,18 +269,17 @@ def test_two_processes_never_calibrate_one_device_at_once(tmp_path, caplog):
     assert sorted(measured for _, measured in results.values()) == [False, True]
     assert results["first"][0] == results["second"][0]
     assert "calibrating cpu/float32" in caplog.text and "budget 30 s" in caplog.text
-    assert "another process is calibrating cpu/float32" in caplog.text
+    assert "is calibrating cpu/float32" in caplog.text and "waiting for it" in caplog.text
 
 
 def test_a_calibration_that_cannot_be_saved_leaves_no_temporary(tmp_path, monkeypatch):
+    import harness.files
     from harness.run import calibrate
 
-    def full_save(results_dir, record):
-        path = calibrate.record_path(results_dir, record.device, record.dtype)
-        path.with_name(f".{path.name}.tmp-{os.getpid()}").write_text("{half")
+    def full_disk(descriptor):  # the record's bytes written to the temporary, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(calibrate, "save", full_save)
+    monkeypatch.setattr(harness.files.os, "fsync", full_disk)
     with pytest.raises(OSError):
         calibrate.ensure(tmp_path, "cpu", "float32", False, lambda fn, arg: fake_calibration())
     assert [p.name for p in (tmp_path / "_calibration").iterdir()] == [calibrate.lock_path(tmp_path, "cpu", "float32").name]
@@ -313,12 +316,12 @@ def test_a_calibration_within_a_small_budget_records_what_it_did():
 
 def test_a_point_that_does_not_fit_leaves_kernel_null(tmp_path):
     """In a sweep (-m) the plan keeps such a point and the runner writes its skipped row, measuring nothing."""
-    from harness.run.execute import measure_planned
+    from harness.run.execute import RunContext, measure_planned
     from harness.run.plan import plan
 
     results = seeded(tmp_path / "results")
     (job,) = plan(["-m", *FAST, f"batch={2**30}", f"results_dir={results}"], cuda_available=NO_CUDA).jobs
-    measure_planned(job.config, job)
+    measure_planned(RunContext(), job)
     (row,) = pq.read_table(results).to_pylist()
     assert row["status"] == "skipped" and "does not fit" in row["reason"] and row["kernel"] is None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
 from harness.measure.rounds import RoundsOptions, Step, rotation, time_rounds
 
@@ -139,3 +140,30 @@ def test_options_are_checked():
         RoundsOptions(order="random")
     with pytest.raises(ValueError):
         RoundsOptions(rounds=0)
+
+
+def test_the_prompt_is_timed_in_rounds_on_a_fresh_session_each_with_an_interval():
+    """start_decode times the prompt through the rounds engine: every repeat on a fresh session (a cache
+    never sees its prompt twice), at most prefill_repeats, and the median with its interval (the row's
+    prefill_s, prefill_ci_low_s, prefill_ci_high_s); the session handed on holds the prompt once."""
+    from harness.measure.decoding import PREFILL, start_decode
+    from harness.measure.timing import StepTimer
+    from harness.model.factory import build_model
+    from tests.conftest import planned_point
+
+    point = planned_point("model=tiny", "strategy=contiguous", "ctx=8", "decode_tokens=2", "batch=1", "device=cpu",
+                          "timing.prefill_repeats=4")
+    model = build_model(point.model, torch.device("cpu"), torch.float32, point.seed, point.matmul, point.batch)
+    strategy = point.strategy.instantiate()
+    sessions = []
+
+    def new_session():
+        sessions.append(strategy.new_session(model, 1, point.max_len))
+        return sessions[-1]
+
+    session, first, rounds = start_decode(point, new_session, torch.Generator().manual_seed(0), StepTimer(torch.device("cpu")))
+    times = rounds.seconds[PREFILL]
+    assert 1 <= len(times) <= 4 and len(sessions) == len(times) and session is sessions[-1]
+    interval = rounds.median(PREFILL)
+    assert interval.low <= interval.median <= interval.high and interval.median == rounds.stats(PREFILL).p50
+    assert first.shape == (1,)

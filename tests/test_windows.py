@@ -4,29 +4,36 @@ noisy with the reason (device=cpu throughout).
 
 The rule on the figures of a default sweep's batch-4 slice where one group ran in a slow window
 (contiguous 28.8 ms a step where the same point takes 15.2 ms; the read in its rounds 18.1 GB/s
-against 20-22), and in the runner, on tiny groups one of which is planted slow: its steps wait as long
-again as they ran (a 2x slowdown), or its read probe does.
+against 20-22), and in the runner, on tiny groups measured for real whose step and in-round read are then
+planted (one group's step twice the others', or its read half), so no verdict depends on what else the
+machine runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+import os
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pandas as pd
 
-from harness.measure import group as measured_group
-from harness.measure.rounds import Step
 from harness.run import execute
 from harness.run.plan import plan
 from harness.run.row import model_columns
-from harness.run.windows import MeasuredGroup, recheck, slow_reason, step_excess
-from tests.conftest import planned_point
+from harness.run.windows import REMEASURING, MeasuredGroup, recheck, slow_reason, step_excess
+from tests.conftest import REPO_ROOT, planned_point
 from tests.hardening_helpers import seeded
-from tests.plugin.slowed_strategy import wait_until
 
 READ, FLOPS = 32e9, 300e9  # calibrated roofs of the synthetic rows
+
+
+def _predicted(row) -> float:
+    """The row's predicted step at the roofs (bytes and FLOPs added; the row's predicted_step_s where it has one)."""
+    return row.get("predicted_step_s") or (row["bytes_per_step_model"] / row["roof_bandwidth_Bps"]
+                                           + row["flops_per_step_model"] / row["roof_flops"])
 
 
 def window(ctx: int, steps_ms: dict, probe_GBps: float, batch: int = 4) -> MeasuredGroup:
@@ -38,6 +45,7 @@ def window(ctx: int, steps_ms: dict, probe_GBps: float, batch: int = 4) -> Measu
         rows.append({**model_columns(point), "status": "ok", "decode_step_s": step_ms / 1e3, "device": "cpu",
                      "dtype": "float32", "roof_bandwidth_Bps": READ, "roof_flops": FLOPS, "roof_in_rounds_kernel": "c",
                      "roof_bandwidth_in_rounds_Bps": probe_GBps * 1e9, "noisy": False, "noise_reason": ""})
+        rows[-1]["predicted_step_s"] = _predicted(rows[-1])
     return MeasuredGroup(f"g{ctx}", timed, set(), rows, 30.0)
 
 
@@ -67,7 +75,7 @@ def test_groups_of_another_batch_or_without_roofs_predict_nothing():
     mine = window(1024, {"contiguous": 40.0}, 21.0)
     assert step_excess(mine, [window(1024, {"contiguous": 5.0}, 21.0, batch=1)]) == (None, 0)
     no_roofs = window(256, {"contiguous": 5.0}, 21.0)
-    no_roofs.rows[0]["roof_bandwidth_Bps"] = None
+    no_roofs.rows[0]["roof_bandwidth_Bps"] = no_roofs.rows[0]["predicted_step_s"] = None
     assert step_excess(mine, [no_roofs]) == (None, 0)
 
 
@@ -93,64 +101,41 @@ SWEEP = ["-m", "device=cpu", "model=tiny", "strategy=contiguous,paged", "batch=1
          "timing.rounds_budget_s=0.3", "timing.max_passes=4", "isolate=false"]
 
 
-def slowed(run, slowdown: float = 1.0):
-    """`run` followed by a wait of `slowdown` times its own duration (tests/plugin/slowed_strategy.py)."""
-    def call():
-        began = time.perf_counter()
-        output = run()
-        wait_until(time.perf_counter() + slowdown * (time.perf_counter() - began))
-        return output
-    return call
-
-
-def slowed_step(step: Step) -> Step:
-    """`step` with every timed call slowed: the call its `before` prepares (a member's step bound to its
-    token), else its own `run`."""
-    def before():
-        prepared = step.before() if step.before is not None else None
-        return slowed(prepared if prepared is not None else step.run)
-    return Step(None, before, step.after)
+PLANTED_STEP_S, PLANTED_READ_BPS = 1e-3, 20e9  # every group's step and in-round read, as planted
 
 
 def plant_slow_window(monkeypatch, ctx: int, times: int, probe_only: bool = False) -> list:
-    """The group at `ctx` runs slow the first `times` times it is measured: every step (or only the read
-    probe) takes twice its own time. Returns the ctx of every group measured, in order."""
-    measured, real_measure, real_rounds = [], execute.measure_group, measured_group.time_rounds
-
-    def slow_rounds(steps, options, roof, timer):
-        if not probe_only:
-            steps = {name: slowed_step(step) for name, step in steps.items()}
-        # The probe at half speed by reading its bytes twice: a wait after it instead (as `slowed` plants
-        # in steps) would let OpenMP's workers sleep, and the member's next step, paying to wake them,
-        # would read slow too on a tiny model's sub-millisecond steps.
-        roof_call = (lambda: (roof(), roof())[-1]) if probe_only else roof
-        return real_rounds(steps, options, _Probe(roof_call, roof) if probe_only else roof_call, timer)
+    """Each group is measured for real, then its step and in-round read are replaced by planted figures
+    (the same step at every ctx, the same read), so the verdicts cannot depend on what else the machine
+    runs; the group at `ctx` reads twice that step (or half that read, `probe_only`) the first `times`
+    times it is measured. Returns the ctx of every group measured, in order."""
+    measured, real_measure = [], execute.measure_group
 
     def measure(request):
         measured.append(request.members[0].ctx)
-        if request.members[0].ctx == ctx and measured.count(ctx) <= times:
-            with monkeypatch.context() as planted:
-                planted.setattr(measured_group, "time_rounds", slow_rounds)
-                return real_measure(request)
-        return real_measure(request)
+        slow = request.members[0].ctx == ctx and measured.count(ctx) <= times
+        outcomes = real_measure(request)
+        for outcome in outcomes:
+            if outcome.get("status") == "ok":
+                outcome["decode_step_s"] = PLANTED_STEP_S * (2 if slow and not probe_only else 1)
+                outcome["roof_bandwidth_in_rounds_Bps"] = PLANTED_READ_BPS / (2 if slow and probe_only else 1)
+        return outcomes
 
+    def build_row(point, measured_outcome, roofs, parallelism=1):  # a row predicts its step (harness.run.row)
+        row = real_build_row(point, measured_outcome, roofs, parallelism)
+        if row.get("roof_bandwidth_Bps") and row.get("roof_flops"):
+            row.setdefault("predicted_step_s", _predicted(row))
+        return row
+
+    real_build_row = execute.build_row
     monkeypatch.setattr(execute, "measure_group", measure)
+    monkeypatch.setattr(execute, "build_row", build_row)
     return measured
-
-
-class _Probe:
-    """A read probe whose call is slowed, its bytes and kernel the real probe's."""
-
-    def __init__(self, call, probe):
-        self.call, self.nbytes, self.kernel = call, probe.nbytes, probe.kernel
-
-    def __call__(self):
-        return self.call()
 
 
 def run_sweep(tmp_path) -> pd.DataFrame:
     the_plan = plan([*SWEEP, f"results_dir={seeded(tmp_path)}"], cuda_available=lambda: False)
-    execute.measure_groups(the_plan.groups)
+    execute.measure_groups(execute.RunContext(), the_plan.groups)
     return pd.read_parquet(tmp_path)
 
 
@@ -183,3 +168,30 @@ def test_the_runner_flags_a_read_probe_that_stays_low(tmp_path, monkeypatch):
     print("\n" + slow.noise_reason.iloc[0])
     assert slow.noisy.all() and slow.noise_reason.str.contains("the read in its rounds ran at").all()
     assert not slow.noise_reason.str.contains("steps took").any()
+
+
+def test_a_run_killed_while_a_slow_window_is_measured_again_leaves_it_flagged_and_the_rerun_measures_it(
+        tmp_path, caplog):
+    """SIGKILL during the second measurement: the slow group's rows on disk already say so (noisy, the
+    REMEASURING flag), and the next run measures them again rather than keeping them as done."""
+    results = seeded(tmp_path)
+    script = ("import os, signal, pytest\n"
+              "from harness.run import execute\n"
+              "from harness.run.plan import plan\n"
+              "from tests.test_windows import SWEEP, plant_slow_window\n"
+              "plant_slow_window(pytest.MonkeyPatch(), ctx=16, times=1)\n"
+              "execute.measure_again = lambda context, window: os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"the_plan = plan([*SWEEP, 'results_dir={results}'], cuda_available=lambda: False)\n"
+              "execute.measure_groups(execute.RunContext(), the_plan.groups)\n")
+    killed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    rows = pd.read_parquet(results)
+    assert len(rows) == 6
+    flagged = rows.noise_reason.str.contains(REMEASURING, regex=False)
+    assert (flagged == (rows.ctx == 16)).all() and rows[flagged].noisy.all(), rows[["ctx", "noise_reason"]]
+    with caplog.at_level(logging.INFO, logger="harness"):
+        rerun = run_sweep(tmp_path)
+    assert caplog.text.count("its group's slow window was being measured again") == 2  # the two ctx=16 rows
+    assert caplog.text.count("already measured, skipped") == 4
+    assert not rerun.noise_reason.str.contains(REMEASURING, regex=False).any()

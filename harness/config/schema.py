@@ -124,7 +124,7 @@ class RunConfig:
     rerun_failed: bool = True  # re-run points whose row is status=failed; false keeps failed rows as they are
     rerun_other_code: bool = False  # re-run points whose row another code state made (its git_commit is not this checkout's)
     calibration_budget_s: float = 120.0  # wall-time budget of one calibration: repeats stop and the GEMM shrinks to fit it
-    isolate: bool = True  # run each point in its own process, so its memory peak is its own
+    isolate: bool = True  # run each group in a process of its own, so its memory peaks are its members' alone
     # CPU tensors of 2 MiB or more on 2 MiB pages (torch's THP_MEM_ALLOC_ENABLE, set in the point's own
     # process before it allocates; needs isolate=true and transparent huge pages not `never`)
     hugepages: bool = False

@@ -31,7 +31,6 @@ way; failing that a fresh one).
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -43,11 +42,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.files import exclusive, write_whole
+
 log = logging.getLogger("harness")
 
 STAMP = "build.json"  # written into a build folder once its library is complete
 BUILD_WAIT_S = 600.0  # longest wait for another process's build of the same key (one takes 10-60 s)
-POLL_S = 0.2  # how often a waiting process tries the lock again
 PRIVATE_NAME = "decode-harness-kernels-{uid}"  # the private cache under the temporary folder when the named one is not trusted
 _told: list[str] = []  # the unusable-cache line this process has logged (once)
 
@@ -136,12 +136,7 @@ def write_stamp(folder: Path, library: str, key: str, compiler: str) -> None:
         os.fsync(handle.fileno())
     stamp = {"key": key, "library": library, "bytes": path.stat().st_size, "sha256": checksum(path),
              "compiler": compiler, "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    partial = folder / f".{STAMP}.tmp"
-    with open(partial, "w") as handle:
-        json.dump(stamp, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, folder / STAMP)
+    write_whole(folder / STAMP, json.dumps(stamp))
 
 
 def usable_folder(folder: Path) -> None:
@@ -164,37 +159,18 @@ def building(folder: Path, name: str, wait_s: float | None = None):
     wait runs out."""
     usable_folder(folder)
     lock = folder / f".{name}.lock"
+    held = exclusive(lock, "building the kernels", BUILD_WAIT_S if wait_s is None else wait_s)
     try:
-        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        held.__enter__()  # harness.files' one waiting rule
     except OSError as error:
         raise unusable(f"cannot build the kernels in {folder} ({error.strerror or error}): set "
                        "HARNESS_KERNEL_CACHE to a writable folder") from None
     try:
-        _acquire(descriptor, lock, BUILD_WAIT_S if wait_s is None else wait_s)
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, str(os.getpid()).encode())
         for leftover in folder.glob(f".{name}.*-*"):  # a killed build's folder, a damaged build set aside
             shutil.rmtree(leftover, ignore_errors=True)
         yield
     finally:
-        os.close(descriptor)  # releases the flock
-
-
-def _acquire(descriptor: int, lock: Path, wait_s: float) -> None:
-    deadline, told = time.monotonic() + wait_s, False
-    while True:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
-            if time.monotonic() >= deadline:
-                raise unusable(f"another process (pid {holder}) has been building the kernels for over "
-                               f"{wait_s:.0f} s (it holds {lock})") from None
-            if not told:
-                log.info(f"another process (pid {holder}) is building the kernels ({lock}): waiting for it")
-                told = True
-            time.sleep(POLL_S)
+        held.__exit__(None, None, None)  # releases the flock
 
 
 def set_aside(folder: Path) -> None:

@@ -3,6 +3,7 @@ first decode position, name its tokens, and measure how far an approximate strat
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import astuple
@@ -16,13 +17,16 @@ from harness.measure.accuracy import (FED_GREEDY, FED_TEXT, RECALL_COLUMNS, Refe
 from harness.measure.prompts import (accuracy_tokens_needed, accuracy_windows, checked_tokens, point_prompt,
                                      recall_windows)
 from harness.model.checkpoint import check_unchanged
-from harness.measure.timing import StepStats, StepTimer
+from harness.measure.rounds import RoundsOptions, Step, time_rounds
+from harness.measure.timing import StepTimer
 
 
 def tokens_digest(tokens: torch.Tensor) -> str:
     """Short hash of generated token ids [B, n]: equal digests mean identical greedy outputs."""
     return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()[:16]
 
+
+PREFILL = "prefill"  # the prompt's entrant in its rounds (start_decode)
 
 def not_run(status: str, reason: str, **extra) -> dict:
     return {"status": status, "reason": reason, **extra}
@@ -32,7 +36,10 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
     """A session brought to the first decode position: the prompt run (timed, and repeated when a
     timer is given) or, with prefill=random, the cache filled with random K/V. `new_session()` makes a
     fresh session: each timed repeat of the prompt runs on a fresh one, so a cache never sees its
-    prompt twice. Returns (session, first token [B], prefill StepStats or None). The random draws come
+    prompt twice. The repeats are timed through the rounds engine (harness.measure.rounds: one call a
+    pass, another pass while prefill_repeats and prefill_budget_s allow), which gives prefill_s its
+    interval like a step's. Returns (session, first token [B], the prefill's Rounds, entrant
+    PREFILL, or None). The random draws come
     in one fixed order, so every caller that seeds the same generator gets the same prompt, cache and
     tokens."""
     vocab = point.model.vocab_size
@@ -48,15 +55,24 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
         prompt = torch.randint(vocab, (point.batch, point.ctx), generator=generator, device=generator.device)  # [B, P]
     if timer is None:
         return session, session.prefill(prompt).argmax(-1), None
-    logits, first = timer.time(lambda: session.prefill(prompt))
-    seconds, budget = [first], point.timing.prefill_budget_s
-    # Repeat while the budget allows: a long prompt is timed once, a short one up to prefill_repeats times.
-    while len(seconds) < point.timing.prefill_repeats and sum(seconds) + seconds[-1] <= budget:
-        del session
-        session = new_session()
-        logits, again = timer.time(lambda: session.prefill(prompt))
-        seconds.append(again)
-    return session, logits.argmax(-1), StepStats.of(seconds)
+    held = {"session": session, "fresh": False}
+
+    def before():  # a fresh session for every repeat after the first, untimed; its prefill bound to the prompt
+        if held["fresh"]:
+            held["session"] = None  # the last session's cache freed before the next is made
+            held["session"] = new_session()
+        held["fresh"] = True
+        return functools.partial(held["session"].prefill, prompt)
+
+    def after(logits):
+        held["logits"] = logits
+
+    # One call a pass; another while the budget allows: a long prompt is timed once, a short one up to
+    # prefill_repeats times. No warm-up: the first run of the prompt is the one every point pays.
+    options = RoundsOptions(rounds=1, max_passes=point.timing.prefill_repeats, budget_s=point.timing.prefill_budget_s,
+                            warmup=0, read_contention=False, device=point.device)
+    rounds = time_rounds({PREFILL: Step(None, before, after)}, options, timer=timer)
+    return held["session"], held["logits"].argmax(-1), rounds
 
 
 def accuracy(point: Point, strategy, model, references: ReferencePasses | None = None) -> dict:

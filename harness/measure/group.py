@@ -35,7 +35,7 @@ from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
 from harness.measure.agreement import NOT_CHECKED, judge_kl
-from harness.measure.decoding import accuracy, tokens_digest
+from harness.measure.decoding import PREFILL, accuracy, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
@@ -59,14 +59,17 @@ def could_be_reference(point: Point) -> bool:
     return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
 
 
-def reference_index(members: list[Member]) -> int | None:
-    """The group's reference: among the exact cached members that ran, one that could be a reference
-    (could_be_reference) first, then the lexically first strategy name, so the choice never depends on
-    the order the sweep listed them in (the report's plain cache is chosen the same way); None when none ran."""
-    ran = [i for i, m in enumerate(members) if m.live and m.point.strategy.exact and m.point.strategy.caches_kv]
-    if not ran:
+def reference_index(points, ran=None) -> int | None:
+    """The group's reference, the one rule for it (the runner times it again beside re-measured members,
+    and the rows record it as group_reference): among the exact cached members that ran (`ran`, one
+    bool per point; None: as if all did), one that could be a reference (could_be_reference) first,
+    then the lexically first strategy name, so the choice never depends on the order the sweep listed
+    them in; None when none ran."""
+    live = [i for i, point in enumerate(points) if (ran is None or ran[i]) and point.strategy.exact
+            and point.strategy.caches_kv]
+    if not live:
         return None
-    return min(ran, key=lambda i: (not could_be_reference(members[i].point), members[i].point.strategy.name, i))
+    return min(live, key=lambda i: (not could_be_reference(points[i]), points[i].strategy.name, i))
 
 
 def measure_group(request: GroupRequest) -> list[dict]:
@@ -111,7 +114,7 @@ class _GroupRun:
             ready += member.live
         live = any(m.live for m in self.members)
         rounds = self.run_rounds(self.read_probe()) if live else None  # nothing to time when none set up
-        reference = reference_index(self.members)
+        reference = reference_index([m.point for m in self.members], [m.live for m in self.members])
         outcomes = [self.outcome(i, member, rounds, reference, process.baseline_bytes)
                     for i, member in enumerate(self.members)]
         for member, outcome in zip(self.members, outcomes):  # every session freed first: one at a time
@@ -171,7 +174,9 @@ class _GroupRun:
 
     def _timed_columns(self, index: int, member: Member, rounds: dict) -> dict:
         timed: Rounds = rounds["rounds"]
-        point, stats, prefill = member.point, timed.stats(str(index)), member.prefill
+        point, stats = member.point, timed.stats(str(index))
+        prefill = member.prefill.stats(PREFILL) if member.prefill else None  # the prompt's own rounds
+        prefill_interval = member.prefill.median(PREFILL) if member.prefill else None
         step, roof = timed.median(str(index)), timed.roof
         return {
             "status": "ok", "reason": "", "kernel": member.kernel,
@@ -182,6 +187,8 @@ class _GroupRun:
             "prefill_s": prefill.p50 if prefill else None,
             "prefill_p10_s": prefill.p10 if prefill else None,
             "prefill_p90_s": prefill.p90 if prefill else None,
+            "prefill_ci_low_s": prefill_interval.low if prefill else None,
+            "prefill_ci_high_s": prefill_interval.high if prefill else None,
             "prefill_repeats": prefill.count if prefill else None,
             "decode_step_s": stats.p50, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
             "decode_step_ci_low_s": step.low, "decode_step_ci_high_s": step.high,

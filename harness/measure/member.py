@@ -23,8 +23,8 @@ from harness.measure.compiled import CompiledSteps
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
 from harness.measure.decoding import not_run, start_decode
-from harness.measure.rounds import Step
-from harness.measure.timing import StepStats, StepTimer, warm_up
+from harness.measure.rounds import Rounds, Step
+from harness.measure.timing import StepTimer, warm_up
 from strategies.base import StrategyUnavailable
 
 PEAK_METHOD = {
@@ -46,7 +46,7 @@ class Member:
         self.strategy = None  # the strategy object, built at set-up
         self.session = None  # the live DecodeSession, from set-up until release or failure
         self.kernel: str | None = None  # the attention kernel the strategy runs here (the row's `kernel`)
-        self.prefill: StepStats | None = None  # the prompt's timings (start_decode; None with prefill=random)
+        self.prefill: Rounds | None = None  # the prompt's timings (start_decode; None with prefill=random)
         self.compiled: CompiledSteps | None = None  # the compiled step, where the point compiles
         self.warmup_steps = 0  # warm-up steps taken at the first decode position
         self.memory: dict = {}  # the member's own peak memory, read over its set-up

@@ -24,7 +24,7 @@ from harness.measure.device import device_name
 from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
 from harness.model import cpu_gemv
-from harness.model.cpu_linear import onednn_supports
+from harness.model.cpu_linear import runnable_linears
 from harness.store.calibration import Calibration, best_gemv
 
 REPEATS = 10
@@ -47,8 +47,8 @@ def measure_within(request: tuple[str, str, float, bool]) -> Calibration:
     began = CpuTimes.now()
     read_bytes = READ_BYTES[device_type]
     sum_bw = _reduction_rate(read_bytes, device, dtype, best.seconds)
-    with_packed = device_type == "cpu" and onednn_supports(dtype_name)
-    with_c = c_linear and device_type == "cpu" and dtype_name == "float32" and cpu_gemv.unavailable() is None
+    probes = gemv_kernels(device_type, dtype_name, c_linear)
+    with_packed, with_c = "packed" in probes, "c" in probes
     gemv_bw, packed_bw, c_bw = _gemv_rates(read_bytes // 2, device, dtype, best.seconds, with_packed, with_c)
     read_repeats = list(best.repeats)
 
@@ -145,12 +145,8 @@ class GemvRead:
 def gemv_kernels(device_type: str, dtype_name: str, c_linear: bool) -> tuple[str, ...]:
     """The matrix-vector kernels that run on this device and dtype; the C linear only where `c_linear`
     (the points use it: matmul=c), so a run of torch's kernels never loads the C extension."""
-    on_cpu = device_type == "cpu"
-    return tuple(kernel for kernel, runs in (
-        ("aten", True),
-        ("packed", on_cpu and onednn_supports(dtype_name)),
-        ("c", c_linear and on_cpu and dtype_name == "float32" and cpu_gemv.unavailable() is None),
-    ) if runs)
+    leave_out = () if c_linear else ("c",)  # harness.model.cpu_linear's one rule
+    return tuple(kernel.probe for kernel in runnable_linears(device_type, dtype_name, leave_out))
 
 
 def _gemv_rates(nbytes: int, device, dtype, best_seconds, with_packed: bool,

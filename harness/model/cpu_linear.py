@@ -8,14 +8,22 @@ machine at hand). The reorder happens once per point, before timing; the math is
 matmul, so outputs agree to rounding and every strategy's tokens still equal the reference's
 (tests/test_exactness.py).
 
-`matmul=auto` picks the C small-batch linear (harness.model.cpu_gemv) on a CPU in fp32 where it
-builds, since it read the small matrices of a decode step faster than oneDNN where both were
-measured; else oneDNN where that supports the dtype (its bf16 path needs AVX-512 or AVX-NE-CONVERT),
-aten otherwise; rows record which kernel ran in `matmul_kernel`.
+The linear kernels are data, like a strategy's attention backends (strategies/backends.py):
+LINEAR_KERNELS lists each with what it needs (devices, dtypes, the rows it takes, a bias, a build),
+in preference order, and `choose_linear` is the one rule, used by the runner's plan
+(harness.run.resolve), the calibration and the in-round read probe (harness.measure.roofs):
+`matmul=auto` takes the first kernel whose needs hold: the C small-batch linear
+(harness.model.cpu_gemv) on a CPU in fp32 where it builds and the batch is small, since it read the
+small matrices of a decode step faster than oneDNN where both were measured; else oneDNN where that
+supports the dtype (its bf16 path needs AVX-512 or AVX-NE-CONVERT); aten otherwise. A kernel named
+by `matmul` is taken where its needs hold, else refused with the reason. Rows record which kernel
+ran in `matmul_kernel`.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -40,14 +48,77 @@ def onednn_supports(dtype_name: str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class LinearKernel:
+    """One kernel the model's linear layers can run, and what it needs."""
+
+    name: str  # the value of `matmul` that asks for it, and the point's matmul where it runs
+    probe: str  # its name in the calibration's and the rounds' read probes (harness.measure.roofs)
+    devices: Optional[tuple[str, ...]] = None  # device types it runs on; None: every one
+    dtypes: Optional[tuple[str, ...]] = None  # dtypes it runs in; None: every one (else see `condition`)
+    max_rows: Optional[int] = None  # `auto` takes it only for a batch of at most this many rows
+    adds_bias: bool = True  # False: it drops a linear's bias (a model with biased q/k/v cannot use it)
+    condition: Optional[Callable[[str], Optional[str]]] = None  # other needs: dtype name -> why not, or None
+
+    def unmet(self, device: str, dtype: str) -> str | None:
+        """Why it cannot run on this device type and dtype here, or None."""
+        if self.devices is not None and device not in self.devices:
+            return f"{self.name} is a {'/'.join(self.devices).upper()} kernel; this point runs on {device}"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return f"{self.name} runs in {', '.join(self.dtypes)}; this point is {dtype}"
+        return self.condition(dtype) if self.condition is not None else None
+
+
+def _onednn_unmet(dtype: str) -> str | None:
+    return None if onednn_supports(dtype) else f"oneDNN packing is not supported for {dtype} here"
+
+
+def _c_unmet(dtype: str) -> str | None:
+    reason = cpu_gemv.unavailable()
+    return f"the C linear cannot run here ({reason})" if reason else None
+
+
+# In `auto`'s order of preference; aten runs everywhere and is the last resort.
+LINEAR_KERNELS = (
+    LinearKernel("c", "c", devices=("cpu",), dtypes=("float32",), max_rows=cpu_gemv.MAX_ROWS, adds_bias=False,
+                 condition=_c_unmet),
+    LinearKernel("onednn", "packed", devices=("cpu",), adds_bias=False, condition=_onednn_unmet),
+    LinearKernel("aten", "aten"),
+)
+
+
+class LinearUnavailable(Exception):
+    """The named linear kernel cannot run this point; the message is the reason."""
+
+
+def choose_linear(matmul: str, device: str, dtype: str, batch: int | None = None, bias: bool = False) -> LinearKernel:
+    """The linear kernel a point runs: for `auto` the first of LINEAR_KERNELS whose needs hold (the
+    batch within its rows; a bias kept where the model has one); a named one where its needs hold,
+    else LinearUnavailable with the reason."""
+    for kernel in LINEAR_KERNELS:
+        if matmul not in ("auto", kernel.name):
+            continue
+        reason = kernel.unmet(device, dtype)
+        if reason is None and bias and not kernel.adds_bias:
+            reason = f"{kernel.name} drops a bias, and this model's q/k/v projections have one (model.attention_bias)"
+        if matmul != "auto" and reason is not None:
+            raise LinearUnavailable(reason)
+        if reason is None and (matmul != "auto" or kernel.max_rows is None or batch is None or batch <= kernel.max_rows):
+            return kernel
+    raise LinearUnavailable(f"no linear kernel is named {matmul!r}; allowed: auto, "
+                            f"{', '.join(kernel.name for kernel in LINEAR_KERNELS)}")
+
+
+def runnable_linears(device: str, dtype: str, leave_out: tuple[str, ...] = ()) -> tuple[LinearKernel, ...]:
+    """Every linear kernel whose needs hold on this device type and dtype, aten first; those named in
+    `leave_out` are not even asked (asking the C linear builds it)."""
+    return tuple(kernel for kernel in reversed(LINEAR_KERNELS)
+                 if kernel.name not in leave_out and kernel.unmet(device, dtype) is None)
+
+
 def resolve_matmul(matmul: str, device: str, dtype: str, batch: int) -> str:
-    """`auto`: on a CPU the C kernel in fp32 where it builds and a decode step's `batch` rows are few
-    enough for it (MAX_ROWS), else oneDNN-packed where it supports the dtype; aten otherwise."""
-    if matmul != "auto":
-        return matmul
-    if device == "cpu" and dtype == "float32" and batch <= cpu_gemv.MAX_ROWS and cpu_gemv.unavailable() is None:
-        return "c"
-    return "onednn" if device == "cpu" and onednn_supports(dtype) else "aten"
+    """The kernel's name `choose_linear` gives (`auto` resolved)."""
+    return choose_linear(matmul, device, dtype, batch).name
 
 
 class PackedLinear(nn.Module):

@@ -14,12 +14,12 @@ import torch
 from harness.config import ModelConfig
 from harness.model.checkpoint import load_weights, read_checkpoint
 from harness.model.cpu_gemv import use_gemv
-from harness.model.cpu_linear import pack_linears
+from harness.model.cpu_linear import LINEAR_KERNELS, pack_linears
 from harness.model.decoder import Decoder
 from harness.model.random_fill import uniform_like_normal_
 
 
-BIAS_FREE_MATMULS = ("onednn", "c")  # kernels whose linears drop a bias (harness.model.cpu_linear, cpu_gemv)
+BIAS_FREE_MATMULS = tuple(kernel.name for kernel in LINEAR_KERNELS if not kernel.adds_bias)  # their linears drop a bias
 
 
 @torch.no_grad()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pandas as pd
 from harness.analysis.curves import analytic_tables
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
+from harness.files import write_whole
 from harness.report import compare, guard, plots, tables
 from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
@@ -244,20 +244,11 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         blocks = build_blocks(table, results_dir, folder, compared)
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
-        _write_whole(files.markdown, to_markdown(blocks))
+        write_whole(files.markdown, to_markdown(blocks))
         if not table.empty:  # rendered from the rows, as the Markdown table is: numbers, under the columns' names
-            _write_whole(files.csv, tables.rows_csv(table))
-        _write_whole(files.html, to_html(blocks, TITLE))
+            write_whole(files.csv, tables.rows_csv(table))
+        write_whole(files.html, to_html(blocks, TITLE))
     except OSError as error:
         raise ReportError(f"{key}: cannot write the report to '{folder}': {error.strerror or error}") from None
     return files
 
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write to a temporary beside `path`, then rename it over: a reader never sees half a report."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(text)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -1,12 +1,13 @@
-"""Measure planned groups and write their rows: the runner's work for each Hydra job.
+"""Measure planned groups and write their rows: the work of each Hydra job, one group each.
 
-A group (harness.run.grouping) is measured in one process of its own (harness.run.isolation, or this
-process with isolate=false) by harness.measure.group; each member's row is assembled
+A group (harness.run.grouping) is measured in a process of its own (harness.run.isolation, or the
+job's process with isolate=false) by harness.measure.group; each member's row is assembled
 (harness.run.row) and written whole (harness.store.files) as soon as the group is done. A member whose
 row is finished is kept (unless a rerun rule applies: `rerun_reason`); when others of its group are
 measured again, the group's reference is measured with them (its row kept) so their ratios still have a
 partner in the same rounds. A group's process that dies fails every member it held, with the reason;
-the sweep goes on. Progress lines, one per point, and the counts for the closing line live here.
+the sweep goes on. What jobs of one process share (the progress line's counts, the calibrations in
+use) is a RunContext handed to every call, never a module's state.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from harness.measure.contention import ROOF_LIMIT
-from harness.measure.group import GroupRequest, could_be_reference, measure_group
+from harness.measure.group import GroupRequest, measure_group, reference_index
 from harness.measure.ncu import measure_traffic
 from harness.measure.decoding import not_run
 from harness.run import calibrate, windows
@@ -53,17 +54,25 @@ class Progress:
         return f"[{self.done}/{self.total}] {label}: {outcome} (elapsed {clock(elapsed)}{left})"
 
 
-PROGRESS = Progress()
-CALIBRATIONS: dict = {}  # (results_dir, device, dtype) -> Calibration, once per process
-STORED_CALIBRATION: dict = {}  # same key -> True while the record in use was stored by an earlier run
+@dataclass
+class RunContext:
+    """What the groups measured by one process share: handed to every call (a launcher's job gets a
+    copy of its own), so no module keeps work, progress or calibrations between jobs."""
+
+    progress: Progress = field(default_factory=Progress)
+    parallelism: int = 1  # points the launcher may run at once (hydra.sweeper.max_batch_size, harness.run.launch)
+    calibrations: dict = field(default_factory=dict)  # (results_dir, device, dtype) -> Calibration in use
+    stored: dict = field(default_factory=dict)  # same key -> True while the record in use came from an earlier run
+    planned: dict = field(default_factory=dict)  # point key -> its PlannedPoint as grouped, where this process planned it
 
 
-def roofs_for(cfg, point, run, c_linear: bool = False):
+def roofs_for(context: RunContext, cfg, point, run, c_linear: bool = False):
     """Stored roofs for the point's device and dtype, measured first if missing (or once per process
     when calibrate=true), with the C linear's read rate where the group runs it (`c_linear`). A failed
     calibration leaves the roofs null rather than stopping the sweep."""
     key = (cfg.results_dir, point.device, point.dtype)
-    if key not in CALIBRATIONS or (CALIBRATIONS[key] is not None and not calibrate.covers(CALIBRATIONS[key], c_linear)):
+    held = context.calibrations
+    if key not in held or (held[key] is not None and not calibrate.covers(held[key], c_linear)):
         try:
             record, measured_now = calibrate.ensure(cfg.results_dir, point.device, point.dtype, cfg.calibrate, run,
                                                       budget_s=cfg.calibration_budget_s, c_linear=c_linear)
@@ -79,21 +88,21 @@ def roofs_for(cfg, point, run, c_linear: bool = False):
             log.warning(f"the stored calibration {calibrate.record_path(*key)} ({record.timestamp}) was measured "
                         f"while other processes took {record.contention:.0%} of the CPUs: its roofs are likely "
                         "low; calibrate=true measures them again")
-        CALIBRATIONS[key] = record
-        STORED_CALIBRATION[key] = record is not None and not measured_now
-    return CALIBRATIONS[key]
+        held[key] = record
+        context.stored[key] = record is not None and not measured_now
+    return held[key]
 
 
-def warn_if_beaten(cfg, point, row: dict) -> None:
+def warn_if_beaten(context: RunContext, cfg, point, row: dict) -> None:
     """Once per device and dtype: a row faster than a stored record's roofs says the record is wrong
     (measured on a busy machine, or before a faster kernel), and names the switch that re-measures it."""
     key = (cfg.results_dir, point.device, point.dtype)
     beaten = {name: row[name] for name in ("bandwidth_fraction", "flops_fraction")
               if row.get(name) is not None and row[name] > ROOF_LIMIT}
-    if not beaten or not STORED_CALIBRATION.get(key):
+    if not beaten or not context.stored.get(key):
         return
-    STORED_CALIBRATION[key] = False  # said once
-    record = CALIBRATIONS[key]
+    context.stored[key] = False  # said once
+    record = context.calibrations[key]
     figures = ", ".join(f"{name} {value:.2f}" for name, value in beaten.items())
     log.warning(f"{point.label()} beats the stored calibration {calibrate.record_path(*key)} "
                 f"({record.timestamp}): {figures} > {ROOF_LIMIT}, so its roofs are too low; "
@@ -135,6 +144,8 @@ def rerun_reason(row, cfg) -> str | None:
         return "overwrite=true"
     if row.status == "failed" and cfg.rerun_failed:
         return "its row failed (rerun_failed=false keeps failed rows)"
+    if windows.REMEASURING in (row.noise_reason or ""):
+        return "its group's slow window was being measured again when the run stopped"
     if cfg.rerun_other_code and not same_code(row.git_commit, git_commit()):
         return f"its row was made by other code (git_commit {row.git_commit}; rerun_other_code=true)"
     return None
@@ -150,53 +161,61 @@ def _kept(row) -> str:
     return outcome
 
 
-def measure_planned(cfg, planned, parallelism: int = 1) -> None:
+def measure_planned(context: RunContext, planned) -> None:
     """One point alone (a group of one): kept, measured, or a skipped row when it cannot fit."""
-    measure_planned_group(PlannedGroup(planned.point.key[:12], [planned]), parallelism)
+    measure_planned_group(context, PlannedGroup(planned.point.key[:12], [planned]))
 
 
-def measure_groups(groups: list[PlannedGroup], parallelism: int = 1) -> None:
-    """A job's groups, one after another, then each set against the others: a group that ran in a slow
-    window is measured again or its rows flagged (harness.run.windows)."""
-    measured = [done for group in groups if (done := measure_planned_group(group, parallelism)) is not None]
-    windows.recheck(measured, lambda window: measure_timed(window.group_id, window.timed, window.to_write,
-                                                           parallelism, write=False))
+def measure_groups(context: RunContext, groups: list[PlannedGroup]) -> None:
+    """Groups measured in this process, one after another, then each set against the others: a group
+    that ran in a slow window is measured again or its rows flagged (harness.run.windows). The same
+    as a launcher's sweep (harness.run.launch), without Hydra jobs."""
+    context.progress.total = max(context.progress.total, sum(len(group.jobs) for group in groups))
+    measured = [done for group in groups if (done := measure_planned_group(context, group)) is not None]
+    windows.recheck(measured, lambda window: measure_again(context, window))
 
 
-def measure_planned_group(group: PlannedGroup, parallelism: int = 1) -> MeasuredGroup | None:
+def measure_again(context: RunContext, window: MeasuredGroup) -> MeasuredGroup:
+    """A slow window's second measurement: its members timed again, no row written (windows decides)."""
+    return measure_timed(context, window.group_id, window.timed, window.to_write, write=False)
+
+
+def measure_planned_group(context: RunContext, group: PlannedGroup) -> MeasuredGroup | None:
     """A group's members: each kept if its row is finished (and no rerun rule applies), a skipped row
     if it cannot fit, else measured with the group; every row written whole, a progress line each.
     Returns what was measured (None: nothing was)."""
-    pending = []
+    progress, pending = context.progress, []
     for job in group.jobs:
         finished = finished_row(job.config.results_dir, job.point.key)
         reason = rerun_reason(finished, job.config) if finished is not None else "new"
         if reason is None:
-            PROGRESS.done += 1
-            PROGRESS.statuses["already measured"] += 1
-            log.info(PROGRESS.line(job.point.label(), _kept(finished)))
+            progress.done += 1
+            progress.statuses["already measured"] += 1
+            log.info(progress.line(job.point.label(), _kept(finished)))
             continue
         if finished is not None:
             log.info(f"{job.point.label()}: measuring again: {reason}")
         if job.does_not_fit is not None:
-            _write(job, build_row(job.point, not_run("skipped", job.does_not_fit), None, parallelism), {}, None)
+            row = build_row(job.point, not_run("skipped", job.does_not_fit), None, context.parallelism)
+            _write(context, job, row, {}, None)
         else:
             pending.append(job)
     if not pending:
         return None
-    # A finished reference is timed again beside the members that are not (its row is kept).
+    # The group's reference, finished, is timed again beside the members that are not (its row is kept).
     to_write = {job.point.key for job in pending}
-    timed = [job for job in group.jobs
-             if job.point.key in to_write or (could_be_reference(job.point) and job.does_not_fit is None)]
-    return measure_timed(group.group_id, timed, to_write, parallelism)
+    runnable = [job for job in group.jobs if job.does_not_fit is None]
+    reference = reference_index([job.point for job in runnable])
+    timed = [job for i, job in enumerate(runnable) if job.point.key in to_write or i == reference]
+    return measure_timed(context, group.group_id, timed, to_write)
 
 
-def measure_timed(group_id: str, timed: list, to_write: set, parallelism: int, write: bool = True) -> MeasuredGroup:
+def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set, write: bool = True) -> MeasuredGroup:
     """`timed` measured as one group, a row built for each; the rows of `to_write` written (unless not
     `write`: a second measurement, whose rows harness.run.windows writes or drops)."""
     first = timed[0]
     run = run_isolated if first.config.isolate else run_inline
-    roofs = roofs_for(first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
+    roofs = roofs_for(context, first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
     began = time.monotonic()
     request = GroupRequest(group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
     outcomes = run(measure_group, request)
@@ -207,20 +226,21 @@ def measure_timed(group_id: str, timed: list, to_write: set, parallelism: int, w
     for job, measured in zip(timed, outcomes):
         if job.point.key in to_write and job.point.traffic == "ncu" and measured.get("status") == "ok":
             measured.update(measured_traffic(job.point))
-        rows.append(build_row(job.point, measured, roofs, parallelism))
+        rows.append(build_row(job.point, measured, roofs, context.parallelism))
         if write and job.point.key in to_write:
-            _write(job, rows[-1], measured, seconds / len(to_write))
+            _write(context, job, rows[-1], measured, seconds / len(to_write))
     return MeasuredGroup(group_id, timed, to_write, rows, seconds)
 
 
-def _write(job, row: dict, measured: dict, seconds: float | None) -> None:
+def _write(context: RunContext, job, row: dict, measured: dict, seconds: float | None) -> None:
+    progress = context.progress
     write_row(job.config.results_dir, row)
-    PROGRESS.done += 1
-    PROGRESS.written += 1
+    progress.done += 1
+    progress.written += 1
     if seconds is not None and row["status"] != "skipped":
-        PROGRESS.measured_seconds.append(seconds)
-    PROGRESS.statuses[row["status"]] += 1
-    log.info(PROGRESS.line(job.point.label(), _outcome(row)))
-    warn_if_beaten(job.config, job.point, row)
+        progress.measured_seconds.append(seconds)
+    progress.statuses[row["status"]] += 1
+    log.info(progress.line(job.point.label(), _outcome(row)))
+    warn_if_beaten(context, job.config, job.point, row)
     if "traceback" in measured:
         log.debug(measured["traceback"])

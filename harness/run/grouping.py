@@ -1,4 +1,4 @@
-"""Which planned points are timed together, in which order, and which Hydra job measures them.
+"""Which planned points are timed together, in which order, and how a job is told which group it measures.
 
 interleave=shape (the default) puts the points of a sweep that share everything but their strategy,
 linear kernel and compile mode (harness.config.Point.group_key: model, dtype, device, batch, ctx,
@@ -8,24 +8,22 @@ that cannot fit in memory is not measured and stays alone (its row is a skipped 
 repeats=N measures every group N times; the groups' order is then shuffled (seeded by the sweep's
 seed), so no group always runs first, or always after the same other one.
 
-Hydra runs one job per point. The job that measures a group is its leader: in this process (Hydra's
-basic launcher) the first job to run measures every group, in the order above; with a launcher that
-runs jobs elsewhere (a Slurm job each) every group's first job measures its group and the other
-members' jobs find their rows written by it. A launcher's jobs do not see this process's memory, so
-the plan leaves each job its work in a small file under `<results_dir>/_groups/`, named by the job's
-overrides.
+A group is the unit of work: one Hydra job each (harness.run.launch), in this process or a launcher's.
+The job is told its group by one override, `+group=<spec>` (`GroupSpec.override`): the members'
+overrides, their grouping and their keys, which a job in another process plans again
+(harness.run.plan.plan_group) and checks against the keys; nothing travels through results_dir.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
-import os
-import pickle
+import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-GROUPS_DIR = "_groups"  # under results_dir; '_' so pyarrow skips it
+GROUP_KEY = "group"  # the job's override that names its group: +group=<GroupSpec.encode()>
+SPEC_PREFIX = "g"  # a spec never reads as a number or a boolean to Hydra's override parser
 
 
 @dataclass
@@ -40,9 +38,46 @@ class PlannedGroup:
         return tuple(job.point for job in self.jobs)
 
 
-def job_key(overrides) -> tuple[str, ...]:
-    """How a Hydra job is known across processes: its overrides, sorted."""
-    return tuple(sorted(overrides))
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a job needs to find or plan again its group: the override that identifies its work."""
+
+    group_id: str  # PlannedGroup.group_id
+    members: tuple  # (point key, the member's overrides as the plan composed them) per member, in order
+    mode: str  # interleave of the members' points: shape (timed together) or none (alone)
+    repeat: int  # which repeat of the group this is
+    first: int = 0  # points of the sweep handled before this group: where its progress lines count from
+    again: tuple | None = None  # a second measurement (harness.run.windows): keys whose rows it is for
+
+    @classmethod
+    def of(cls, group: PlannedGroup, first: int = 0, again: tuple | None = None,
+           timed: list | None = None) -> "GroupSpec":
+        jobs = group.jobs if timed is None else timed
+        point = jobs[0].point
+        members = tuple((job.point.key, tuple(job.overrides)) for job in jobs)
+        return cls(group.group_id, members, point.interleave, point.repeat, first, again)
+
+    def encode(self) -> str:
+        """URL-safe base64 of JSON: letters, digits, '-' and '_', which Hydra's override parser reads as
+        one plain string (no quoting, no interpolation)."""
+        data = json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        return SPEC_PREFIX + base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> "GroupSpec":
+        body = str(text)[len(SPEC_PREFIX):]
+        data = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        again = tuple(data["again"]) if data["again"] is not None else None
+        members = tuple((key, tuple(overrides)) for key, overrides in data["members"])
+        return cls(data["group_id"], members, data["mode"], int(data["repeat"]), int(data["first"]), again)
+
+    def override(self) -> str:
+        return f"+{GROUP_KEY}={self.encode()}"
+
+
+def as_member(job, mode: str, repeat: int):
+    """A planned point as a member of a group: interleave and repeat set (both are in its key)."""
+    return dataclasses.replace(job, point=dataclasses.replace(job.point, interleave=mode, repeat=repeat))
 
 
 def form_groups(jobs: list, interleave: str, repeats: int, seed: int) -> list[PlannedGroup]:
@@ -57,49 +92,13 @@ def form_groups(jobs: list, interleave: str, repeats: int, seed: int) -> list[Pl
     for repeat in range(repeats):
         for members in by_shape.values():
             mode = "shape" if len(members) > 1 else "none"
-            copies = [dataclasses.replace(job, point=dataclasses.replace(job.point, interleave=mode, repeat=repeat))
-                      for job in members]
-            groups.append(PlannedGroup(_group_id(copies), copies))
+            copies = [as_member(job, mode, repeat) for job in members]
+            groups.append(PlannedGroup(group_id(copies), copies))
     if repeats > 1:
         random.Random(seed).shuffle(groups)
     return groups
 
 
-def _group_id(jobs: list) -> str:
+def group_id(jobs: list) -> str:
     keys = ",".join(sorted(job.point.key for job in jobs))
     return hashlib.sha256(keys.encode()).hexdigest()[:12]
-
-
-def leaders(groups: list[PlannedGroup]) -> dict[tuple[str, ...], list[PlannedGroup]]:
-    """For a launcher's jobs: each group's first member's job_key -> the groups that job measures."""
-    work: dict[tuple[str, ...], list[PlannedGroup]] = {}
-    for group in groups:
-        work.setdefault(job_key(group.jobs[0].overrides), []).append(group)
-    return work
-
-
-def _file(results_dir, key: tuple[str, ...]) -> Path:
-    name = hashlib.sha256("\0".join(key).encode()).hexdigest()[:24]
-    return Path(results_dir) / GROUPS_DIR / f"{name}.pkl"
-
-
-def leave_work(results_dir, jobs: list, work: dict) -> None:
-    """One file per job of the sweep: the groups it leads (none for a member another job measures).
-    Written atomically; a re-run of the sweep writes them anew."""
-    folder = Path(results_dir) / GROUPS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    for job in jobs:
-        key = job_key(job.overrides)
-        path = _file(results_dir, key)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        temporary.write_bytes(pickle.dumps(work.get(key, [])))
-        os.replace(temporary, path)
-
-
-def find_work(results_dir, overrides) -> list[PlannedGroup] | None:
-    """The groups a job of a launcher leads, left by the plan; None when the plan left none (a job
-    run without this harness's plan)."""
-    try:
-        return pickle.loads(_file(results_dir, job_key(overrides)).read_bytes())
-    except (OSError, pickle.UnpicklingError, EOFError):
-        return None

@@ -1,8 +1,8 @@
-"""Run a point in a process of its own, so its memory peak is its own and a crash stays contained.
+"""Run a group of points in a process of its own, so its memory peaks are its own and a crash stays contained.
 
 Processes come from a fork server that has already imported torch and the harness (but run no torch
-op, so no thread pool or CUDA context is inherited): each point starts in milliseconds with a clean
-heap and a fresh resident-set peak. A point whose process dies (the kernel's OOM killer, a segfault
+op, so no thread pool or CUDA context is inherited): each group starts in milliseconds with a clean
+heap and a fresh resident-set peak. A group whose process dies (the kernel's OOM killer, a segfault
 in a kernel) comes back as a failed outcome; the sweep goes on. A point interrupted by Ctrl-C (SIGINT
 to the process group reaches the point's process too) is not a failure: it sends nothing, and the
 runner raises PointInterrupted, which ends the sweep like a Ctrl-C of its own (harness.run.app).

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf, open_dict
@@ -42,7 +43,7 @@ from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, fi
                                      output_folder, safe_name, validate_run)
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
-from harness.run.grouping import form_groups
+from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
 from harness.run.variants import variant_of
@@ -158,6 +159,25 @@ def plan(argv: list[str], cuda_available) -> Plan:
                                f"{key if key != 'model' else 'model, batch or ctx'}")
     groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
     return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+
+
+def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
+    """A group's members planned again from their overrides (a launcher's job, in a process of its own),
+    as the sweep's plan grouped them; each member's key must be the one the sweep planned (ConfigError
+    otherwise: this host composes or resolves the point differently)."""
+    backup = get_gh_backup()  # a Hydra job's own GlobalHydra, put back afterwards
+    GlobalHydra.instance().clear()
+    try:
+        members = []
+        for key, overrides in spec.members:
+            job = as_member(plan(["-m", *overrides], cuda_available).jobs[0], spec.mode, spec.repeat)
+            if job.point.key != key:
+                raise ConfigError(GROUP_KEY, f"{job.point.label()} plans as key {job.point.key} here, not the sweep's "
+                                             f"{key}: the job runs other code or config than the sweep")
+            members.append(job)
+        return members
+    finally:
+        restore_gh_from_backup(backup)
 
 
 @dataclass
@@ -343,6 +363,8 @@ def _check_job_options(job: list[str]) -> None:
     then run as a preset with every field missing."""
     for override in job:
         key, _, value = override.lstrip("+~").partition("=")
+        if key == GROUP_KEY:
+            raise ConfigError(GROUP_KEY, "is how the runner tells a job its group (harness.run.grouping), not a setting")
         if "." not in key and value.endswith(SCHEMA_SUFFIX):
             raise ConfigError(key, f"'{value}' is the group's schema, not a preset; in a glob() sweep exclude it: "
                                    f"{key}='glob(*,exclude=*{SCHEMA_SUFFIX})'")

@@ -18,8 +18,7 @@ from harness.config import AccuracyConfig, ConfigError, Point, StrategyChoice, T
 from harness.config.texts import is_builtin_text
 from harness.measure.ncu import NCU_ENV, ncu_executable
 from harness.model import cpu_gemv
-from harness.model.cpu_linear import onednn_supports, resolve_matmul
-from harness.model.factory import BIAS_FREE_MATMULS
+from harness.model.cpu_linear import LinearUnavailable, choose_linear
 from harness.run.catalog import strategy_class
 from harness.run.inputs import accuracy_fits, accuracy_reference, checkpoint_shape, prompt_source
 from strategies.base import StrategyUnavailable
@@ -45,18 +44,12 @@ def resolve_traffic(traffic: str, device: str) -> str:
 
 
 def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool = False) -> str:
-    if bias and matmul in BIAS_FREE_MATMULS:
-        raise ConfigError("matmul", f"{matmul} drops a bias, and this model's q/k/v projections have one "
-                                    "(model.attention_bias); allowed: auto, aten")
-    if bias:  # auto: the one kernel that adds it
-        return "aten"
-    if matmul == "onednn" and (device != "cpu" or not onednn_supports(dtype)):
-        raise ConfigError("matmul", f"onednn packing is not supported for {dtype} on {device} here; allowed: auto, aten")
-    if matmul == "c" and (device != "cpu" or dtype != "float32"):
-        raise ConfigError("matmul", f"c is a CPU float32 kernel; this point is {dtype} on {device}; allowed: auto, aten")
-    if matmul == "c" and (reason := cpu_gemv.unavailable()):
-        raise ConfigError("matmul", f"c cannot run here ({reason}); allowed: auto, aten")
-    return resolve_matmul(matmul, device, dtype, batch)
+    """The point's linear kernel by harness.model.cpu_linear.choose_linear; a named one that cannot run
+    here is refused in one line."""
+    try:
+        return choose_linear(matmul, device, dtype, batch, bias).name
+    except LinearUnavailable as error:
+        raise ConfigError("matmul", f"{error}; allowed: auto, aten") from None
 
 
 def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,

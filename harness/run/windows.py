@@ -9,8 +9,8 @@ job's groups are measured, each is set against the job's other groups:
 
 - **steps**: each member's step against the same variant (strategy and options, linear kernel,
   compile mode) in every other group of the same shape but for ctx and repeat (model, dtype, device,
-  batch, timing, threads, pages alike): the other group's step scaled by the work the analytic model
-  gives the two points at the calibrated roofs (bytes / read roof + FLOPs / FLOP roof), and never
+  batch, timing, threads, pages alike): the other group's step scaled by the ratio of the two rows'
+  predicted step times (`predicted_step_s`, the analytic model at the calibrated roofs), and never
   scaled down (a step with less work still pays its per-step overhead), so the prediction is an upper
   bound. The median over the other groups, then over the members, is the group's excess; above
   SLOW_LIMIT the group ran slow.
@@ -18,10 +18,14 @@ job's groups are measured, each is set against the job's other groups:
   the median of the job's other groups on the same device, dtype and kernel.
 
 A slow group is measured again, the slowest first: the first always, more while the second
-measurements stay within REMEASURE_SHARE of the job's measuring time. In line then, its new rows
-replace the first; still slow (or failed), its rows are flagged `noisy` with the reason in
-`noise_reason`. A job with no comparable groups (one shape, or each group its own launcher job)
-judges nothing.
+measurements stay within REMEASURE_SHARE of the sweep's measuring time. Its rows are flagged before
+(`noisy`, REMEASURING in `noise_reason`), so a run killed meanwhile leaves no unflagged row of a slow
+window, and the next run measures them again (harness.run.execute.rerun_reason); only the second
+measurement clears the flag: in line, its rows replace the first; still slow (or failed), the rows
+stay flagged with the reason. Every group of a sweep is judged against the others, also under a
+launcher: each group's job hands back what it measured, and the sweep judges them
+(harness.run.launch) and measures a slow group again as a further job. A group's rows are written
+once, as it finishes, unless its window turns out slow.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ log = logging.getLogger("harness")
 
 SLOW_LIMIT = 1.4  # a window this many times slower than the other groups predict is flagged
 REMEASURE_SHARE = 0.25  # second measurements beyond the first stay within this share of the job's time
+REMEASURING = "slow window: being measured again"  # in noise_reason until the second measurement ends
 NOT_SHAPE = (*FOLLOW_THE_STRATEGY, "ctx", "repeat")  # what comparable groups may differ in
 
 
@@ -65,12 +70,15 @@ def _variant(point) -> str:
     return json.dumps([identity["strategy"], point.matmul, point.compile], sort_keys=True)
 
 
+def predicted_step(predicted_step_s) -> float | None:
+    """The step time the analytic model predicts for a row at its calibrated roofs: its
+    `predicted_step_s` column, the one definition (harness.run.row); None where the row has none
+    (no roofs), and then the row predicts nothing here."""
+    return predicted_step_s if predicted_step_s else None
+
+
 def _work(row) -> float | None:
-    """The analytic model's seconds for the row's step at the calibrated roofs (bytes and FLOPs added:
-    a relative measure of work between points), None without roofs."""
-    if not row.get("roof_bandwidth_Bps") or not row.get("roof_flops"):
-        return None
-    return row["bytes_per_step_model"] / row["roof_bandwidth_Bps"] + row["flops_per_step_model"] / row["roof_flops"]
+    return predicted_step(row.get("predicted_step_s"))
 
 
 def step_excess(window: MeasuredGroup, others: list[MeasuredGroup]) -> tuple[float | None, int]:
@@ -134,6 +142,7 @@ def recheck(measured: list[MeasuredGroup], measure_again) -> None:
             _flag(window, f"{reason}; not measured again (second measurements took {spent:.0f} s of a "
                           f"{budget:.0f} s budget)")
             continue
+        _mark_remeasuring(window)  # a kill from here on leaves flagged rows, which the re-run measures again
         again = measure_again(window)
         spent += again.seconds
         if len(again.ok()) < len(window.ok()):
@@ -154,16 +163,25 @@ def _label(window: MeasuredGroup) -> str:
     return f"{point.model.name} b={point.batch} ctx={point.ctx} {point.device}/{point.dtype}"
 
 
+def _flagged(row: dict, said: str) -> dict:
+    """A copy of the row, noisy, with `said` added to its noise_reason."""
+    return {**row, "noisy": True, "noise_reason": "; ".join(filter(None, [row["noise_reason"], said]))}
+
+
 def _flag(window: MeasuredGroup, reason: str) -> None:
     """The window's rows written again, noisy with the reason added to noise_reason."""
-    for _, row in window.ok():
-        row["noisy"] = True
-        row["noise_reason"] = "; ".join(filter(None, [row["noise_reason"], f"slow window: {reason}"]))
+    window.rows = [_flagged(row, f"slow window: {reason}") if row["status"] == "ok" else row for row in window.rows]
     log.warning(f"group {window.group_id}: its rows are flagged noisy: {reason}")
     _write(window)
 
 
-def _write(window: MeasuredGroup) -> None:
-    for job, row in zip(window.timed, window.rows):
+def _mark_remeasuring(window: MeasuredGroup) -> None:
+    """The window's rows written flagged REMEASURING before the second measurement starts; the rows in
+    memory stay as measured (the verdict that follows writes them again)."""
+    _write(window, [_flagged(row, REMEASURING) if row["status"] == "ok" else row for row in window.rows])
+
+
+def _write(window: MeasuredGroup, rows: list | None = None) -> None:
+    for job, row in zip(window.timed, window.rows if rows is None else rows):
         if job.point.key in window.to_write:
             write_row(job.config.results_dir, row)

@@ -10,12 +10,13 @@ never rewrites history.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
+
+from harness.files import write_whole
 
 CALIBRATION_DIR = "_calibration"  # under results_dir; '_' so pyarrow skips it when reading the folder
 
@@ -98,10 +99,7 @@ def save(results_dir: str | Path, record: Calibration) -> Path:
     """Write atomically: a reader never sees half a record."""
     path = record_path(results_dir, record.device, record.dtype, record.hostname)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(asdict(record), indent=2) + "\n")
-    os.replace(temporary, path)
-    return path
+    return write_whole(path, json.dumps(asdict(record), indent=2) + "\n")
 
 
 def read_all(results_dir) -> tuple[list[tuple[Path, Calibration]], list[tuple[Path, str]]]:

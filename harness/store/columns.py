@@ -103,6 +103,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("prefill_s", F, "s", "median time of the prompt's forward pass over its repeats (null with prefill=random)", "measured"),
     ("prefill_p10_s", F, "s", "10th percentile of the prompt's times", "measured"),
     ("prefill_p90_s", F, "s", "90th percentile of the prompt's times", "measured"),
+    ("prefill_ci_low_s", F, "s", "lower end of prefill_s's 95% confidence interval over the prompt's repeats (interval_method)", "measured"),
+    ("prefill_ci_high_s", F, "s", "upper end of prefill_s's 95% confidence interval", "measured"),
     ("prefill_repeats", I, "", "times the prompt was timed, each on a fresh session", "measured"),
     ("decode_step_s", F, "s", "median time of one decode step (for no_cache: one full recompute)", "measured"),
     ("decode_step_p10_s", F, "s", "10th percentile of decode step times", "measured"),

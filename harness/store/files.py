@@ -1,9 +1,9 @@
 """Rows on disk: one Parquet file per point, written whole or not at all.
 
-A row is written to a hidden temporary file in the results folder, flushed to disk, then renamed over
-its final name. Rename within one filesystem is atomic, so a reader (or a sweep killed with SIGKILL)
-only ever sees whole files; the temporary name starts with '.', which pyarrow's dataset discovery and
-our own glob both skip. A file's name ends in the point's key, so finding finished points is a
+A row is written by harness.files.write_whole: a hidden temporary file in the results folder, flushed
+to disk, then renamed over its final name. Rename within one filesystem is atomic, so a reader (or a
+sweep killed with SIGKILL) only ever sees whole files; the temporary name starts with '.', which
+pyarrow's dataset discovery and our own glob both skip. A file's name ends in the point's key, so finding finished points is a
 directory listing plus a read of each candidate's footer: a file counts as finished only if it reads as
 Parquet and holds one row (a truncated file left by a full disk or a foreign writer is measured again).
 `finished_row(results_dir, key)` is that one definition, with the row's status and git_commit, which
@@ -21,6 +21,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from harness.files import write_whole
 from harness.store.columns import SCHEMA
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{16}")  # harness.config.point.Point.key
@@ -41,6 +42,7 @@ class FinishedRow:
     path: Path
     status: Optional[str]  # ok | skipped | failed
     git_commit: Optional[str]  # the code state that wrote it (harness.run.metadata.git_commit)
+    noise_reason: Optional[str] = None  # why its timing is suspect (a slow window pending its second measurement)
 
 
 def read_finished(path: Path) -> FinishedRow | None:
@@ -51,11 +53,12 @@ def read_finished(path: Path) -> FinishedRow | None:
         if parquet.metadata.num_rows != 1:
             return None
         names = set(parquet.schema_arrow.names)
-        columns = [c for c in ("status", "git_commit") if c in names]
+        columns = [c for c in ("status", "git_commit", "noise_reason") if c in names]
         values = parquet.read(columns=columns).to_pylist()[0] if columns else {}
     except Exception:  # pyarrow raises several types for a damaged file
         return None
-    return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"))
+    return FinishedRow(path=path, status=values.get("status"), git_commit=values.get("git_commit"),
+                       noise_reason=values.get("noise_reason"))
 
 
 def finished_row(results_dir: str | Path, key: str) -> FinishedRow | None:
@@ -99,21 +102,11 @@ def row_table(row: dict) -> pa.Table:
 
 
 def write_row(results_dir: str | Path, row: dict) -> Path:
-    """Write one row atomically; replaces an older row of the same point (overwrite=true)."""
+    """Write one row atomically (harness.files.write_whole); replaces an older row of the same point."""
     folder = Path(results_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / row_filename(row)
-    temporary = folder / f".{final.name}.tmp-{os.getpid()}"
     table = row_table(row)
-    try:
-        with open(temporary, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, final)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return final
+    return write_whole(folder / row_filename(row), lambda handle: pq.write_table(table, handle))
 
 
 def remove_stale_temporaries(results_dir: str | Path) -> list[Path]:

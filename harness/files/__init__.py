@@ -1,0 +1,89 @@
+"""The bottom layer: how every writer of the harness puts a file on disk, and how processes take turns.
+
+`write_whole(path, data)`: the bytes go to a hidden temporary beside `path` (`.<name>.tmp-<pid>`),
+are flushed to disk (fsync), and the temporary is renamed over `path` (os.replace, atomic within one
+filesystem). A reader, or a process killed at any moment, sees the old file or the new one, never
+half of one; the temporary is removed whatever happens, and one left by a killed process starts with
+'.', which pyarrow's discovery and the harness's globs skip. Rows (harness.store.files), calibration
+records (harness.store.calibration), the kernels' stamps (harness.kernels.cache) and the report's
+files (harness.report.assemble) are all written by it.
+
+`exclusive(lock, doing)`: one lock with one waiting rule, for every place two processes must not do
+the same thing at once (calibrating one device, building one kernel library): an flock on `lock`
+(released by the kernel when its holder dies, so a lock is never stale), the holder's pid written in
+it; a process that finds it held says once who holds it and what it is doing, tries again every
+POLL_S, and gives up after `wait_s` with a one-line RuntimeError.
+
+It imports nothing of the harness: every other layer may use it (pyproject.toml, [tool.importlinter]).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("harness")
+
+WAIT_S = 600.0  # longest wait for another process's turn (a kernel build takes 10-60 s, a calibration up to its budget)
+POLL_S = 0.2  # how often a waiting process tries the lock again
+
+
+def temporary_of(path: Path) -> Path:
+    """The hidden temporary `write_whole` writes `path` through (by this process)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_whole(path: str | Path, data: bytes | str | Callable) -> Path:
+    """Write `data` (bytes, text, or a function given the open binary file) to `path` atomically:
+    temporary, fsync, rename. OSError (a full disk, an unwritable folder) leaves no temporary behind."""
+    path = Path(path)
+    temporary = temporary_of(path)
+    try:
+        with open(temporary, "wb") as handle:
+            if callable(data):
+                data(handle)
+            else:
+                handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+@contextmanager
+def exclusive(lock: str | Path, doing: str, wait_s: float = WAIT_S):
+    """Hold the flock on `lock` (created if missing) while inside; `doing` says what its holder does, in
+    the lines a waiting process logs ("another process (pid N) is <doing>") and raises."""
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _acquire(descriptor, lock, doing, wait_s)
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(descriptor)  # releases the flock
+
+
+def _acquire(descriptor: int, lock: Path, doing: str, wait_s: float) -> None:
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "unknown"
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"another process (pid {holder}) has been {doing} for over {wait_s:.0f} s "
+                                   f"(it holds {lock})") from None
+            if not told:
+                log.info(f"another process (pid {holder}) is {doing} ({lock}): waiting for it")
+                told = True
+            time.sleep(POLL_S)
