@@ -133,6 +133,7 @@ class Strategy(ABC):
     # Its attention kernels, in preference order, each with what it needs (strategies.backends): what
     # `strategy.backend` may name besides auto, and what `auto` picks from. Empty: one kernel, no choice.
     backends: ClassVar[tuple[Backend, ...]] = ()
+    needs_checkpoint: ClassVar[bool] = False  # decodes only a checkpoint's weights (an engine peer): refused without model.checkpoint
     graph_capturable: ClassVar[bool] = True  # a decode step can be captured in a CUDA graph and replayed
     # A decode step traces into one torch.compile graph (fullgraph) whose shapes do not change with the
     # position: its kernels are torch ops or registered custom ops (an opaque foreign call is neither). Opt-in:

@@ -98,6 +98,7 @@ class PeerStrategy(Strategy):
     compilable = False
     engine: ClassVar[str]  # the engine's name in rows
     package: ClassVar[str]  # the module its wheel installs
+    needs_checkpoint = True  # the engine reads the checkpoint's weights, written in its format
     step_granularity: ClassVar[str] = "token"  # token | decode: what one timed call of the engine covers
     kv_types: ClassVar[dict[str, KVType]]  # kv_type option -> what the engine stores
     exact_kv_types: ClassVar[tuple[str, ...]]  # kv_type options at full precision (agreement checked)
@@ -122,7 +123,7 @@ class PeerStrategy(Strategy):
         if prefill != "compute":
             raise StrategyOptionError("prefill", f"{prefill}: {self.name} runs the prompt through {self.engine}, "
                                       "which has no cache to fill at random; use prefill=compute", top_level=True)
-        if shape.checkpoint is None:
+        if self.needs_checkpoint and shape.checkpoint is None:
             raise StrategyOptionError("model.checkpoint", f"{self.name} decodes a checkpoint's weights in "
                                       f"{self.engine}; set model.checkpoint (a GGUF file)", top_level=True)
 

@@ -138,7 +138,10 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], kind: Q = Q.F32, arch
         fields["model"] = tokenizer
     for key, value in {**fields, **(tokenizer_metadata or {})}.items():
         if value is not None:
-            writer.add_key_value(f"tokenizer.ggml.{key}", value, *typed_value(value))
+            # token types are INT32 as GGUFWriter.add_token_types writes them (llama.cpp refuses other kinds)
+            default_types = key == "token_type" and value is fields.get(key)
+            writer.add_key_value(f"tokenizer.ggml.{key}", value,
+                                 *((gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32) if default_types else typed_value(value)))
     for name, values in weights.items():
         if name in leave_out:
             continue

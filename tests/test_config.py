@@ -55,6 +55,12 @@ def test_option_composes_validates_and_instantiates(group, option):
         with pytest.raises(ConfigError, match=r"pip install --no-deps [\w-]+"):
             validate_run(cfg, cuda_available=lambda: False)
         return
+    if get_class(cfg.strategy._target_).needs_checkpoint and not cfg.model.get("checkpoint"):
+        # an engine peer decodes a checkpoint's weights: with the default random-weight model, one line naming the key
+        with pytest.raises(ConfigError, match=r"^model\.checkpoint: "):
+            validate_run(cfg, cuda_available=lambda: False)
+            point_from_config(cfg)
+        return
     validate_run(cfg, cuda_available=lambda: False)
     point = point_from_config(cfg)
     assert isinstance(point.strategy.instantiate(), Strategy)

@@ -1,4 +1,4 @@
-"""Hardening of the files and paths a point reads (issue classes: tracebacks at input boundaries,
+"""Hardening of the files and paths a point reads (classes: tracebacks at input boundaries,
 unbounded work, messages that name the wrong thing, paths and trust). Each table is a class: a case
 is refused by the plan in one line naming the key and what is allowed, in under 5 s, writing nothing;
 the class's fix is one place (harness.run.inputs.input_boundary, harness.config.paths, the prompt
