@@ -1,4 +1,4 @@
-"""A peer: an engine users deploy instead of the harness (llama.cpp, OpenVINO GenAI, ONNX Runtime GenAI),
+"""A peer: an engine users deploy instead of the harness (llama.cpp, ONNX Runtime GenAI),
 measured as a member of a group like any strategy.
 
 Contract, for the class of each engine member (one file per engine under strategies/, one YAML per KV

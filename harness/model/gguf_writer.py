@@ -5,7 +5,7 @@ decoder holds, not its own reading of a quantized file: llama.cpp would run Q4_1
 quantized kernels while the decoder runs their float32 dequantization. `float_gguf` writes the GGUF
 checkpoint's tensors dequantized once (gguf.quants.dequantize, the function harness.model.gguf_file
 loads the decoder with) back as F32 (or F16) under the same names, with every metadata field copied
-(general.file_type set to what the tensors now are), so llama.cpp, OpenVINO's GGUF reader and ONNX
+(general.file_type set to what the tensors now are), so llama.cpp and ONNX
 Runtime GenAI's model builder all read the decoder's numbers. The q and k rows stay in the order the
 file stores them (GGML's RoPE pairs, llama.cpp's converter's `LlamaModel.permute`): the engines rotate
 those pairs, as the decoder rotates the rotate-half order harness.model.gguf_file restores.
