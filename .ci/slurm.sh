@@ -179,7 +179,10 @@ fi
 # The parent measured nothing itself: its closing line must count the rows that landed in results_dir.
 grep -q "4 point(s) in .*: 4 ok\. .*Report: python -m harness.report results_dir=" "$log" \
   || { tail -n 5 "$log" >&2; fail "the parent's closing line does not count the 4 rows that landed"; }
-python - "$results" <<'EOF' || { tail -n 40 "$log" >&2; fail "the rows of the Slurm sweep"; }
+# A group whose window was slow beside the others is measured again as one more job (docs/cluster.md):
+# N groups make N jobs plus one per such group, which the log names.
+again=$(grep -c "^.*group [0-9a-f]*: measured again" "$log" || true)
+python - "$results" "$again" <<'EOF' || { tail -n 40 "$log" >&2; fail "the rows of the Slurm sweep"; }
 import sys
 from pathlib import Path
 
@@ -198,13 +201,17 @@ assert not list(results.glob(".*.tmp-*")), "a temporary row file was left behind
 sweeps = list((results / "_hydra" / "multirun").iterdir())
 assert len(sweeps) == 1, f"expected the sweep's one log folder under _hydra/multirun/, found {sweeps}"
 assert frame.group_id.nunique() == 2, f"expected 2 groups (contiguous beside paged per batch): {frame.group_id}"
-assert sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit()) == ["0", "1"], "Hydra's job logs: one per group"
+again = int(sys.argv[2])  # groups measured again for a slow window: one job each
+folders = sorted((p.name for p in sweeps[0].iterdir() if p.name.isdigit()), key=int)
+assert folders == [str(i) for i in range(2 + again)], f"Hydra's job logs: one per group (+{again} measured again): {folders}"
 jobs = sorted(p.parent.name for p in sweeps[0].glob(".submitit/*/*_result.pkl"))
-assert len(jobs) == 2 and len({job.split("_")[0] for job in jobs}) == 1 and all("_" in job for job in jobs), \
-    f"expected one cluster job per group, the 2 tasks of one Slurm job array under .submitit/, found {jobs}"
+arrays = {job.split("_")[0] for job in jobs if "_" in job}
+first = [job for job in jobs if job.startswith(min(arrays, key=int) + "_")] if arrays else []
+assert len(jobs) == 2 + again and len(first) == 2, \
+    f"expected one cluster job per group, the 2 tasks of one Slurm job array (+{again} measured again), found {jobs}"
 print(f"slurm.sh: one job array, tasks {', '.join(jobs)}; logs under {sweeps[0].relative_to(results)}")
 EOF
-say "Slurm sweep: 4 rows, each once, all ok, from 2 cluster jobs (one per group)"
+say "Slurm sweep: 4 rows, each once, all ok, from 2 cluster jobs (one per group), $again measured again"
 
 HARNESS_REQUIRE_SLURM=1 python -m pytest -q -p no:cacheprovider -m slow tests/test_cluster.py -k slurm \
   || fail "tests/test_cluster.py's Slurm test against the cluster"
