@@ -30,10 +30,13 @@ snapkv's window, tova's last) run as matmul + softmax in chunks of rows (the oth
 a decode step of h2o or tova runs matmul + softmax over the slots and hands its weights on; streaming
 and snapkv steps run SDPA. Their cost is inside the step's time.
 
-Rewind: evicted tokens are gone, so `rewind` re-runs the prefill (or the random fill, from its
-generator's saved state) and replays the fed tokens up to the length asked: the same computation,
-outside any timed region (the runner rewinds between its timed calls). It refuses a length inside the
-prompt.
+Rewind: evicted tokens are gone, so the session keeps a snapshot of every layer's slots, positions,
+scores and policy state as the prompt (or the random fill) left them, copies it back in place on
+`rewind`, and replays the fed tokens up to the length asked: the same computation, outside any timed
+region (the runner rewinds between its timed calls). Replaying the prompt instead would cost a prefill
+of batch x ctx tokens for every warm-up step and timing pass. The snapshot is one more copy of the
+kept slots: inside the member's peak memory (its set-up's), outside `kv_cache_bytes`. It refuses a
+length inside the prompt.
 """
 from __future__ import annotations
 
@@ -106,6 +109,21 @@ class EvictionLayerCache:
         self.filled = 0
         self.positions.fill_(-1)
         self.scores.zero_()
+
+    @property
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a step reads or writes: the slots, positions, scores, next free slot, sinks' keys."""
+        sinks = (self.sink_keys,) if self.sink_keys is not None else ()
+        return (*self.store.tables, self.positions, self.scores, self.free, *sinks)
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        return self.filled, [table.clone() for table in self._state]
+
+    def restore(self, saved: tuple[int, list[torch.Tensor]]) -> None:
+        """Copy a snapshot back into the same tensors (in place: captured graphs keep their addresses)."""
+        self.filled, tables = saved[0], saved[1]
+        for table, copy in zip(self._state, tables):
+            table.copy_(copy)
 
     def attend(self, q, k, v, start_pos):
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, n_kv, T, D]
@@ -200,15 +218,16 @@ class EvictionSession(CachedSession):
         super().__init__(model, layer_caches, max_len)
         for cache in self.layer_caches:
             cache.rope = self.rope
-        self.prompt = None  # [B, P] the prompt prefilled, or None after a random fill
-        self.random_fill = None  # (length, generator state, device) of the random fill
+        self.start = 0  # the prompt's (or random fill's) length: the earliest position a rewind reaches
+        self.saved: list = []  # every layer's snapshot as the prompt left it
         self.fed: list[torch.Tensor] = []  # the tokens fed since, each [B]
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         for cache in self.layer_caches:
             cache.reset()
-        self.prompt, self.random_fill, self.fed = prompt, None, []
-        return super().prefill(prompt)
+        logits = super().prefill(prompt)
+        self._save()
+        return logits
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         logits = super().step(token)
@@ -217,27 +236,27 @@ class EvictionSession(CachedSession):
 
     def rewind(self, length: int) -> None:
         DecodeSession.rewind(self, length)  # the range check
-        start = self.prompt.shape[1] if self.prompt is not None else self.random_fill[0]
-        if length < start:
-            raise ValueError(f"cannot rewind to {length}: an evicting cache replays from its prompt of {start} tokens")
-        self.length = start + len(self.fed)  # undo the range check's move: the replay decides
+        if length < self.start:
+            raise ValueError(f"cannot rewind to {length}: an evicting cache replays from its prompt of {self.start} tokens")
+        self.length = self.start + len(self.fed)  # undo the range check's move: the replay decides
         if length == self.length:
             return
-        fed = self.fed[: length - start]
-        if self.prompt is not None:
-            self.prefill(self.prompt)
-        else:
-            length_filled, state, device = self.random_fill
-            self.fill_random(length_filled, torch.Generator(device=device).set_state(state))
+        fed = self.fed[: length - self.start]
+        for cache, saved in zip(self.layer_caches, self.saved):
+            cache.restore(saved)
+        self.length, self.fed = self.start, []
         for token in fed:
             self.step(token)
 
     def fill_random(self, length: int, generator: torch.Generator) -> None:
-        self.random_fill = (length, generator.get_state(), generator.device)
-        self.prompt, self.fed = None, []
         for cache in self.layer_caches:
             cache.fill_random(length, generator)
         self.length = length
+        self._save()
+
+    def _save(self) -> None:
+        self.start, self.fed = self.length, []
+        self.saved = [cache.snapshot() for cache in self.layer_caches]
 
 
 class EvictionStrategy(Strategy):

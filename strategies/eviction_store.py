@@ -31,6 +31,11 @@ class FullWidthSlots:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    @property
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the slots hold (a snapshot copies them)."""
+        return self.k, self.v
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """k, v [B, n_kv, T, D] into slots start .. start + T."""
         self.k[:, :, start:start + k.shape[2]] = k
@@ -65,7 +70,12 @@ class QuantizedSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.payloads, *self.scales))
+        return sum(t.nbytes for t in self.tables)
+
+    @property
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the slots hold (a snapshot copies them)."""
+        return (*self.payloads, *self.scales)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantization.quantize_per_token(x, self.spec.format, self.spec.span(x.shape[-1]))

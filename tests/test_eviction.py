@@ -171,6 +171,27 @@ def test_warm_up_rewinds_replay_and_leave_the_tokens_alone(gqa4, name):
         session.rewind(10)
 
 
+@pytest.mark.parametrize("name, options", [("h2o", {}), ("tova", {}), ("snapkv_int4", {"window": 4, "group_size": 8}),
+                                           ("streaming", {"positions": "in_cache"})])
+def test_a_rewind_copies_the_prompts_state_back_without_a_second_prefill(gqa4, name, options, monkeypatch):
+    """Every table a step touches is as the prompt left it after a rewind to the prompt's end, bitwise,
+    and the prompt is not attended again: a warm-up step or timing pass costs a step, not a prefill."""
+    strategy = variant(name, budget=10, **options)
+    session = strategy.new_session(gqa4, 2, 40)
+    first = session.prefill(prompt_of(GQA4, 2, 20)).argmax(-1)
+    after_prompt = [cache.snapshot() for cache in session.layer_caches]
+    expected = session.step(first)
+    for _ in range(6):  # past the budget: slots overwritten, scores and sinks moved
+        session.step(first)
+    prefills = []
+    monkeypatch.setattr(EvictionLayerCache, "_prefill", lambda *args: prefills.append(args))
+    session.rewind(20)
+    assert not prefills and session.length == 20
+    for cache, (filled, tables) in zip(session.layer_caches, after_prompt):
+        assert cache.filled == filled and all(torch.equal(a, b) for a, b in zip(cache.snapshot()[1], tables))
+    assert torch.equal(session.step(first), expected)
+
+
 def test_a_random_fill_is_replayed_by_rewind(gqa4):
     strategy = EvictionStrategy(policy="h2o", budget=10)
     session = strategy.new_session(gqa4, 2, 40)
