@@ -13,7 +13,7 @@ the sweep's length for the progress line.
 Where output goes is decided in one place: `results_dir`. Rows go there, Hydra's logs under its
 `_hydra/` (conf/config.yaml, each run's folder named by its start time and its host and process, so
 two sweeps started in the same second never share one). Nothing else may move them: an override of a
-Hydra key other than the few in HYDRA_KEYS_ALLOWED (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir,
+Hydra key other than the few in harness.run.command_line.HYDRA_KEYS_ALLOWED (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir,
 hydra.output_subdir, hydra.job_logging, ...), a preset that changes those settings, a flag that picks
 another config, or a results_dir that differs between the jobs of one sweep is refused. A launcher
 may be chosen (hydra/launcher=<option>, and its hydra.launcher.* options other than where it writes);
@@ -24,25 +24,26 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import re
 import socket
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-from hydra import compose, initialize_config_dir
+from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, first_line, interpolations_resolve,
-                                     output_folder, safe_name, validate_run)
+from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
+from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, PASS_THROUGH_FLAGS, RUN_FLAGS, VALUE_FLAGS,  # noqa: F401
+                                      check_flags, check_hydra_keys, check_job_options, check_output_settings,
+                                      compose_config, composition_error, hydra_order, parse_overrides)
 from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
@@ -50,20 +51,6 @@ from harness.run.variants import variant_of
 from harness.store.columns import SCHEMA
 
 CONFIG_DIR = str(config_dir())
-CONFIG_NAME = "config"
-MULTIRUN_FLAGS = ("-m", "--multirun")
-RUN_FLAGS = ("-r", "--run")
-# Flags after which Hydra does something other than run points (help, print config, shell completion).
-PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
-                      "--shell-completion", "-sc", "--resolve", "--package", "-p")
-VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through flags followed by their value
-# Hydra keys a command line may set: none of them moves the working directory or the output.
-HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
-LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
-SCHEMA_SUFFIX = "_schema"  # harness.config.schema.register_schemas' entries: schemas, not presets
-# Hydra settings that decide where its files go or where a job runs: a preset may not change them.
-OUTPUT_SETTINGS = ("run.dir", "sweep.dir", "sweep.subdir", "job.chdir", "output_subdir",
-                   "job_logging.handlers.file.filename", "launcher.submitit_folder", "sweeper._target_")
 GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
 # Launchers whose jobs run on other hosts: a job checks its device and free memory there (harness.run.app).
 REMOTE_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
@@ -133,7 +120,7 @@ def check_printed_config(argv: list[str]) -> None:
     overrides = [arg for i, arg in enumerate(argv) if not arg.startswith("-") and i not in flag_values]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        _compose([o.input_line for o in _parse(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
+        compose_config([o.input_line for o in parse_overrides(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
 
 
 def plan(argv: list[str], cuda_available) -> Plan:
@@ -142,7 +129,7 @@ def plan(argv: list[str], cuda_available) -> Plan:
     Raises ConfigError with one line naming the key and what is allowed.
     """
     register_schemas()
-    _check_flags(argv)
+    check_flags(argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
         jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
@@ -197,12 +184,12 @@ def _command_line(argv: list[str]) -> _CommandLine:
     expand the sweep the way Hydra's basic sweeper will."""
     overrides = [arg for arg in argv if not arg.startswith("-")]
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    parsed = _parse(parser, overrides)
-    _check_hydra_keys(parsed)
+    parsed = parse_overrides(parser, overrides)
+    check_hydra_keys(parsed)
     sweeps = [o for o in parsed if o.is_sweep_override()]
     base = _compose_base(parsed)
     launcher = [o.input_line for o in parsed if o.key_or_group == "hydra/launcher"]
-    _check_output_settings(base, launcher)
+    check_output_settings(base, launcher)
     launcher_target = OmegaConf.select(base, "hydra.launcher._target_")
     elsewhere = launcher_target in REMOTE_LAUNCHERS
     if launcher and not os.path.isabs(str(base.results_dir)):
@@ -216,8 +203,8 @@ def _command_line(argv: list[str]) -> _CommandLine:
     output_folder("results_dir", base.results_dir)  # Hydra's logs go there even before a job runs
     sweep_params = base.hydra.sweeper.get("params") if multirun else None
     params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
-    expanded = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
-    _check_hydra_keys(expanded)
+    expanded = parse_overrides(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+    check_hydra_keys(expanded)
     job_overrides = sweep_jobs(expanded)
     in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
     return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
@@ -229,12 +216,12 @@ def _compose_base(parsed) -> object:
     value, as the first job will be composed."""
     plain = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
-        return _compose(plain, with_hydra=True)
+        return compose_config(plain, with_hydra=True)
     except ConfigError as error:
         sweeps = [o for o in parsed if o.is_sweep_override()]
         try:
             first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in sweeps]
-            return _compose(plain + first, with_hydra=True)
+            return compose_config(plain + first, with_hydra=True)
         except (ConfigError, HydraException, StopIteration):
             raise error from None
 
@@ -257,9 +244,9 @@ def sweep_jobs(overrides: list) -> list[list[str]]:
 
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One job composed (once per job in a sweep), validated and resolved into its point."""
-    _check_job_options(job)
-    cfg = command.base if not command.multirun else _compose(job, with_hydra=True)
-    variant = variant_of(cfg, job, lambda overrides: _compose(overrides, with_hydra=False), command.as_chosen)
+    check_job_options(job)
+    cfg = command.base if not command.multirun else compose_config(job, with_hydra=True)
+    variant = variant_of(cfg, job, lambda overrides: compose_config(overrides, with_hydra=False), command.as_chosen)
     with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
         del cfg["hydra"]
     if str(cfg.results_dir) != str(command.base.results_dir):
@@ -272,7 +259,7 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
         validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
         point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
-        raise _composition_error(error) from None
+        raise composition_error(error) from None
     check_point(point)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
     return PlannedPoint(tuple(job), cfg, point, does_not_fit)
@@ -319,120 +306,3 @@ def _largest_size(point: Point) -> str:
              **{f"strategy.{name}": value for name, value in point.strategy.strategy_options.items()
                 if isinstance(value, int) and not isinstance(value, bool)}}
     return max(sizes, key=sizes.get)
-
-
-def _check_flags(argv: list[str]) -> None:
-    """Flags Hydra would take to compose another config than the one the plan checks are refused."""
-    for arg in argv:
-        flag = arg.split("=", 1)[0]
-        if arg.startswith("-") and flag not in MULTIRUN_FLAGS + RUN_FLAGS + PASS_THROUGH_FLAGS:
-            raise ConfigError("command line", f"flag {flag!r} is not accepted (it would run another config than the "
-                                              "one checked, or is unknown); allowed: -m, --run, --help, --cfg, --info; "
-                                              "extra configs: hydra.searchpath=[file:///abs/folder]")
-
-
-def hydra_order(argv: list[str]) -> list[str]:
-    """A planned command line as Hydra's parser takes it: its flags (-m, --run: none takes a value) before
-    its overrides, each kept in its order. `model=tiny -m batch=1,2` is planned as written; Hydra's parser
-    would stop at the flag and print its usage."""
-    return [arg for arg in argv if arg.startswith("-")] + [arg for arg in argv if not arg.startswith("-")]
-
-
-def _parse(parser: OverridesParser, overrides: list[str]):
-    try:
-        return parser.parse_overrides(overrides)
-    except HydraException as error:
-        raise ConfigError("command line", first_line(error, typed=False)) from None
-
-
-def _check_hydra_keys(parsed) -> None:
-    """Only the Hydra keys that move nothing may be set (the output goes where results_dir says)."""
-    for override in parsed:
-        key = override.key_or_group
-        if not (key == "hydra" or key.startswith(("hydra.", "hydra/"))):
-            continue
-        if (key in HYDRA_KEYS_ALLOWED or key.startswith(LAUNCHER_OPTIONS)) and not override.is_sweep_override():
-            continue
-        raise ConfigError(key, "cannot be set: where rows and Hydra's logs go is decided by results_dir alone "
-                               f"(logs under <results_dir>/_hydra/); Hydra keys allowed: {', '.join(HYDRA_KEYS_ALLOWED)}, "
-                               f"{LAUNCHER_OPTIONS}*, one value each")
-
-
-def _check_job_options(job: list[str]) -> None:
-    """A glob() sweep over a config group also matches its schema (model_schema), which Hydra would
-    then run as a preset with every field missing."""
-    for override in job:
-        key, _, value = override.lstrip("+~").partition("=")
-        if key == GROUP_KEY:
-            raise ConfigError(GROUP_KEY, "is how the runner tells a job its group (harness.run.grouping), not a setting")
-        if "." not in key and value.endswith(SCHEMA_SUFFIX):
-            raise ConfigError(key, f"'{value}' is the group's schema, not a preset; in a glob() sweep exclude it: "
-                                   f"{key}='glob(*,exclude=*{SCHEMA_SUFFIX})'")
-
-
-def _output_settings(cfg) -> dict:
-    """OUTPUT_SETTINGS of a composed config (with its hydra node), interpolations unresolved, None
-    where absent."""
-    hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
-    settings = {}
-    for setting in OUTPUT_SETTINGS:
-        node = hydra_node
-        for part in setting.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        settings[setting] = node
-    return settings
-
-
-_SHIPPED_SETTINGS: dict[tuple[str, ...], dict] = {}  # launcher overrides -> OUTPUT_SETTINGS as shipped
-
-
-def _check_output_settings(composed, launcher: list[str]) -> None:
-    """A preset (a `# @package _global_` file, say on hydra.searchpath) may not move the output either:
-    each of OUTPUT_SETTINGS must be as conf/config.yaml ships it (with the same launcher chosen)."""
-    if tuple(launcher) not in _SHIPPED_SETTINGS:
-        _SHIPPED_SETTINGS[tuple(launcher)] = _output_settings(_compose(launcher, with_hydra=True))
-    found = _output_settings(composed)
-    for setting, expected in _SHIPPED_SETTINGS[tuple(launcher)].items():
-        if found[setting] != expected:
-            raise ConfigError(f"hydra.{setting}", f"changed to {found[setting]!r} (by an override or a preset): "
-                                                  "where rows and logs go is decided by results_dir alone")
-
-
-def _compose(overrides: list[str], with_hydra: bool):
-    try:
-        cfg = compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
-    except MissingConfigException as error:
-        raise _missing_option(error) from None
-    except (HydraException, OmegaConfBaseException) as error:
-        raise _composition_error(error) from None
-    except ValueError as error:  # Hydra's answer to a config group set to null (strategy=null)
-        nulled = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.endswith("=null") and "." not in o.split("=", 1)[0]]
-        raise ConfigError(nulled[0] if nulled else "command line",
-                          f"{first_line(error, typed=False)}: a config group takes one of its options by name") from None
-    # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
-    # (its other fields are filled as a job starts).
-    settable = {re.split(r"[./]", key)[1] for key in HYDRA_KEYS_ALLOWED}
-    interpolations_resolve(cfg, skip=tuple(f"hydra.{key}" for key in cfg.get("hydra", {}) if key not in settable))
-    return cfg
-
-
-def _missing_option(error: MissingConfigException) -> ConfigError:
-    """`model=foo` -> "model: unknown option 'foo', allowed: cpu_small, llama3_8b, ..."."""
-    missing = error.missing_cfg_file or ""
-    group, _, option = missing.rpartition("/")
-    allowed = [o for o in (error.options or []) if not o.endswith("_schema")]
-    if group and allowed:
-        return ConfigError(group, f"unknown option '{option}', allowed: {', '.join(sorted(allowed))}")
-    return ConfigError(group or "config", first_line(error, typed=False))
-
-
-def _composition_error(error: Exception) -> ConfigError:
-    """Hydra/OmegaConf composition errors as one line naming the key."""
-    cause = error.__cause__ or error
-    key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
-    message = first_line(cause, typed=False)
-    if "is not in struct" in str(cause) or "Could not override" in str(error):
-        message = f"unknown key ({first_line(error, typed=False)})"
-    elif "could not be converted" in message or "Value '" in message:
-        message = f"wrong type: {message}"
-    return ConfigError(str(key) if key else "config", message)
