@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -126,3 +127,17 @@ def test_an_approximate_strategy_is_measured_in_its_own_process_run():
     assert row["perplexity"] is None and "greedy" in row["accuracy_reference"]  # random ids: no text to score
     random = measure_point(dataclasses.replace(point, strategy=choice, prefill="random"))
     assert random["top1_agreement"] is None and "prefill=random" in random["accuracy_reference"]
+
+
+def test_a_random_fill_is_scored_on_its_prompt_files_text(tmp_path):
+    """prefill=random times the steps over random K/V; with a prompt file the accuracy pass still
+    prefills the text's own windows and scores them, perplexity included (what +sweep=kv_compression
+    does at contexts whose prompts would take longer than its steps)."""
+    path = tmp_path / "ids.json"
+    path.write_text(json.dumps([(7 * i) % 200 for i in range(200)]))
+    settings = ("model=tiny", "strategy=int8", "ctx=16", "decode_tokens=2", f"prompt={path}", "accuracy.tokens=32",
+                "accuracy.steps=16")
+    computed, random = (measure_point(planned_point(*settings, f"prefill={mode}")) for mode in ("compute", "random"))
+    assert random["prefill_s"] is None and random["perplexity"] is not None and random["accuracy_windows"] == 2
+    for column in ("logit_kl_mean", "top1_agreement", "perplexity", "perplexity_reference"):
+        assert random[column] == computed[column], column  # the same windows, whatever the timed run filled

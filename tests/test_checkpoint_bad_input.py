@@ -135,10 +135,16 @@ def test_a_text_prompt_needs_a_tokenizer(tmp_path):
     assert "tokenizer" in refused(f"prompt={path}")
 
 
-def test_a_prompt_needs_a_computed_prefill(tmp_path):
+def test_with_a_random_fill_a_prompt_file_feeds_only_the_accuracy_pass(tmp_path):
+    """prefill=random runs no prompt, so the file need not hold the timed windows (batch x (ctx +
+    decode_tokens + 1) tokens); an approximate strategy's accuracy pass still needs its text."""
     path = tmp_path / "ids.json"
-    path.write_text(json.dumps(list(range(100))))
-    assert refused(f"prompt={path}", "prefill=random").startswith("prompt:")
+    path.write_text(json.dumps(list(range(15))))  # fewer than 2 x (8 + 2 + 1) tokens
+    assert refused(f"prompt={path}", "batch=2").startswith("prompt:")
+    point = plan(["device=cpu", "model=tiny", "ctx=8", "decode_tokens=2", f"prompt={path}", "batch=2", "prefill=random"],
+                 cuda_available=NO_CUDA).jobs[0].point
+    assert point.prefill == "random" and point.prompt_hash is not None
+    assert refused(f"prompt={path}", "prefill=random", "strategy=int8", "accuracy.tokens=64").startswith("accuracy.tokens:")
 
 
 def test_the_cli_refuses_in_one_line_and_writes_nothing(copy, tmp_path):

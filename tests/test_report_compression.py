@@ -66,4 +66,19 @@ def test_the_section_leads_with_the_tradeoff_and_calls_out_a_step_the_bytes_do_n
 
 def test_no_compressed_cache_no_tradeoff(tmp_path, monkeypatch):
     blocks = section(tmp_path, monkeypatch, ("contiguous", "int8"))
-    assert len(blocks) == 1 and "+sweep=kv_compression" in to_markdown(blocks)
+    assert len(blocks) == 2 and "+sweep=kv_compression" in to_markdown(blocks)
+
+
+def test_the_report_of_compressed_caches_leads_with_what_they_trade(tmp_path, monkeypatch):
+    """+sweep=kv_compression's report opens on the trade-off picture; a report without such rows keeps
+    its usual order (tests/test_report.py)."""
+    from harness.report.assemble import build_report
+
+    for name, variant in PLANTED.items():
+        monkeypatch.setitem(report_fixtures.VARIANTS, name, variant)
+    folder = write_variant_results(tmp_path / "results", batches=(4,), contexts=(1024,),
+                                   variants=("contiguous", "streaming", "snapkv"))
+    text = build_report(folder).markdown.read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[:2] == ["## What compressing the cache trades", "## This machine, point by point"]
+    assert text.index("![") < text.index("## This machine, point by point")  # the picture first

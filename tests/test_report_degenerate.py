@@ -22,7 +22,8 @@ from harness.store.files import row_filename, write_row
 from tests.report_fixtures import row, write_calibration, write_variant_results
 
 SECTIONS = ("This machine, point by point", "Roofs the predictions use", "Every row beside its prediction",
-            "Which layout wins where", "What fewer bytes buy", "What the roofline does not explain",
+            "Which layout wins where", "What fewer bytes buy", "What compressing the cache trades",
+            "What the roofline does not explain",
             "Eager against compiled", "What a KV cache buys and costs", "Rows and files not measured")
 MEASURED_FLOATS = ("prefill_s", "decode_step_s", "decode_step_p10_s", "decode_step_p90_s", "tokens_per_s")
 MEASURED_BYTES = ("kv_cache_bytes", "peak_memory_bytes")

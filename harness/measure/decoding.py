@@ -76,13 +76,16 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
 
 
 def accuracy(point: Point, strategy, model, references: ReferencePasses | None = None) -> dict:
-    """The accuracy columns (harness.measure.accuracy): measured for a strategy that is not exact and
-    computed its prompt; null with the reason otherwise. `references` keeps the exact reference's pass
+    """The accuracy columns (harness.measure.accuracy): measured for a strategy that is not exact, on
+    windows it prefills itself (the prompt's text, or with prefill=compute and no prompt file seeded
+    random ids), so a point timed over a random fill is scored on its prompt file's text; null with the
+    reason otherwise. `references` keeps the exact reference's pass
     for the next approximate strategy scored on the same windows (a group's members)."""
     if point.strategy.exact:
         return not_measured("exact strategy: its tokens equal the reference's (tokens_digest)")
-    if point.prefill != "compute":
-        return not_measured("prefill=random: no prompt to run the exact reference on")
+    if point.prefill != "compute" and point.prompt is None:
+        return not_measured("prefill=random without a prompt file: no text to score (with prompt=, the pass "
+                            "prefills its own windows of the text)")
     if point.reference is None:
         return not_measured("no exact reference strategy was chosen for this point")
     windows = accuracy_windows_of(point, model.device)

@@ -15,13 +15,15 @@ from harness.report import compare, guard, plots, tables
 from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.cohorts import SERIES, Cohort, cohorts_of
-from harness.report.compression import compression_section
+from harness.report.compression import HEADING as COMPRESSION_HEADING
+from harness.report.compression import compressed, compression_section
 from harness.report.engines import engine_section
 from harness.report.kv_formats import format_section
 from harness.report.html import to_html
 from harness.report.layouts import layout_section
 from harness.report.overhead import overhead_section
 from harness.report.summary import memory_split, summary_table
+from harness.report.tradeoff import ran_rows
 from harness.report.verdicts import resolution_paragraph
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
@@ -188,7 +190,12 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     analytic = analytic_tables(table)  # the loader's step: every analytic figure beyond the rows' own columns
     groups = cohorts_of(table, analytic)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
-    sections = [("This machine, point by point", lambda: _summary(table, groups))]
+    trades = (COMPRESSION_HEADING, lambda: compression_section(groups, folder))
+    # Rows of caches that keep fewer tokens, layers or channels answer one question first: what that buys
+    # and costs (+sweep=kv_compression), so its picture leads; elsewhere it keeps its place among the others.
+    leads = any(compressed(ran_rows(g)).any() for g in groups)
+    sections = [trades] if leads else []
+    sections.append(("This machine, point by point", lambda: _summary(table, groups)))
     if baseline is not None:
         sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder)))
     sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]))
@@ -198,7 +205,7 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         ("Every row beside its prediction", lambda: _every_row(table)),
         ("Which layout wins where", lambda: layout_section(groups, folder)),
         ("What fewer bytes buy", lambda: format_section(groups, folder)),
-        ("What compressing the cache trades", lambda: compression_section(groups, folder)),
+        *([] if leads else [trades]),
         ("Against the engines", lambda: engine_section(table)),
         ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
         ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic)),

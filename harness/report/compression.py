@@ -181,6 +181,9 @@ def _point_paragraph(found: list[Variant], batch: int, ctx: int) -> str:
     return " ".join(parts)
 
 
+HEADING = "What compressing the cache trades"
+
+
 def compression_section(groups: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = []
     for group in groups:
@@ -200,10 +203,10 @@ def compression_section(groups: list[Cohort], folder: Path) -> list[Block]:
         if blocks:
             out += [Heading(group.title, 3), Paragraph(weights_note(group)), *blocks]
     if not out:
-        return [Paragraph("No cache that keeps fewer tokens, layers or key channels ran here: "
+        return [Heading(HEADING), Paragraph("No cache that keeps fewer tokens, layers or key channels ran here: "
                           "`python -m harness.run +sweep=kv_compression` puts eviction, cross-layer sharing and "
                           "key-channel pruning beside the exact cache on a real model.")]
-    return [Paragraph(
+    return [Heading(HEADING), Paragraph(
         "Caches that keep fewer tokens (eviction), layers (cross-layer sharing) or key channels (pruning) than the "
         "exact cache, beside it at the same points. Quality over teacher-forced tokens scored after each budget "
         "filled: mean KL from the exact reference, its p99, the share with the same top-1, the perplexity ratio on "

@@ -78,13 +78,14 @@ def checkpoint_shape(model: ModelConfig, dtype: str, device: str, max_len: int) 
 def prompt_source(source: str, shape: ModelConfig, prefill: str, batch: int, ctx: int, decode_tokens: int,
                   accuracy: Optional[AccuracyConfig]) -> str:
     """The content hash of the prompt file or built-in text, once it is known to give the point its
-    windows: the timed run's, and with `accuracy` (an approximate strategy's pass) the accuracy pass's;
-    ConfigError on `prompt` or `accuracy.tokens` otherwise."""
-    if prefill != "compute":
-        raise ConfigError("prompt", f"a prompt file is run by prefill=compute; prefill={prefill} runs no prompt")
+    windows: the timed run's (prefill=compute; prefill=random times the steps over random K/V and runs
+    no prompt), and with `accuracy` (an approximate strategy's pass, which prefills its own windows of
+    the text either way) the accuracy pass's; ConfigError on `prompt` or `accuracy.tokens` otherwise."""
     with input_boundary("prompt", source):
         tokenizer = tokenizer_of(shape.checkpoint)
-        file_windows(source, tokenizer, batch, window_tokens(ctx, decode_tokens), shape.vocab_size)
+        # prefill=random reads no timed window: one token says the file reads as tokens of this model
+        timed = (batch, window_tokens(ctx, decode_tokens)) if prefill == "compute" else (1, 1)
+        file_windows(source, tokenizer, *timed, shape.vocab_size)
         found = content_hash(source, tokenizer)
     if accuracy is not None:
         with input_boundary("accuracy.tokens", source):
