@@ -31,7 +31,7 @@ from harness.report.cohorts import Cohort, cached_rows
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.figures import MARKERS, PALETTE, legend_outside, new_figure, save, title
 from harness.report.kv_formats import weights_note
-from harness.report.tradeoff import interval, ran_rows, reference_series, step_ratio, value
+from harness.report.tradeoff import flag, interval, ran_rows, reference_series, step_ratio, value
 from harness.report.verdicts import Comparison
 
 AXES = ("cache_token_budget", "cache_layers_stored", "cache_key_channels_kept")  # > 0: the axis is compressed
@@ -40,7 +40,7 @@ QUALITY = (  # (row column, its interval's columns, the panel's label)
     ("perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high", "perplexity ÷ exact cache's"),
     ("recall_top1", "recall_top1_ci_low", "recall_top1_ci_high", "recall probe: top-1 on the repeated span"),
 )
-HEADER = ["variant", "bytes held ÷ exact", "step ÷ exact [95%]", "predicted", "KL mean [95%]", "KL p99 [95%]",
+HEADER = ["variant", "bytes held ÷ exact", "step ÷ exact [95%]", "step ÷ exact, predicted", "KL mean [95%]", "KL p99 [95%]",
           "same top-1 [95%]", "perplexity ratio [95%]", "recall top-1 [95%]", "recall KL [95%]",
           "cache = weights at ctx"]
 CAPTION = ("Cache bytes held at the end of the point, measured, ÷ the exact cache's, "
@@ -112,9 +112,9 @@ def table_row(v: Variant) -> list[str]:
     if v.step is None:
         step, predicted = "reference", "–"
     else:
-        step = "noisy" if bool(row.get("noisy")) else v.step.text()
+        step = v.step.text()  # a ratio drawing on a noisy row is kept and says `noisy`
         predicted = "–" if v.predicted is None else fmt.ratio(v.predicted)
-        if v.predicted is not None and not bool(row.get("noisy")) and v.step.ratio.excludes(v.predicted):
+        if v.predicted is not None and not flag(row, "noisy") and v.step.ratio.excludes(v.predicted):
             predicted += " **outside**"
     exact = bool(row.get("exact"))
     quality = ["exact"] * 6 if exact else [
@@ -172,7 +172,7 @@ def _point_paragraph(found: list[Variant], batch: int, ctx: int) -> str:
     if crossover is not None:
         side = "past" if ctx >= crossover else "short of"
         parts.append(f"At this batch it weighs the weights a step reads at ctx {crossover:,.0f}; this point is {side} it.")
-    outside = [v for v in found if v.step is not None and v.predicted is not None and not bool(v.row.get("noisy"))
+    outside = [v for v in found if v.step is not None and v.predicted is not None and not flag(v.row, "noisy")
                and v.step.ratio.excludes(v.predicted)]
     if outside:
         parts.append("Measured step ratios whose interval excludes the prediction: " + "; ".join(

@@ -24,7 +24,7 @@ from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval
 from harness.report import units as fmt
 from harness.report.cohorts import Cohort, cached_rows, plain_cache_strategy, usable_step
-from harness.report.verdicts import Comparison, compare
+from harness.report.verdicts import Comparison, any_noisy, compare
 
 SPEED_COLUMNS = ("ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
 ACCURACY_COLUMNS = ("strategy_family", "accuracy_tokens", "accuracy_ctx", "top1_agreement", "logit_kl_mean",
@@ -96,8 +96,8 @@ class VariantPoint:
     accuracy_steps: int  # decode steps the scored tokens span (the point's decode_tokens where not recorded)
     bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the analytic tables: harness.analysis.curves)
     bytes_ratio: float  # ÷ the reference's bytes per token
-    step: Optional[Comparison]  # this step ÷ the reference's; None for the reference itself or a noisy row
-    noisy: bool  # the row's times are not to be trusted (its accuracy still is)
+    step: Optional[Comparison]  # this step ÷ the reference's (marked noisy where it draws on a noisy row); None for the reference
+    noisy: bool  # the row's absolute times are not to be trusted (its paired ratio and its accuracy still are)
     predicted: float  # the roofline's step ratio, this layout ÷ the reference's
     accuracy: Accuracy
     is_reference: bool  # the exact cache the ratios are taken against
@@ -137,12 +137,13 @@ def reference_series(ran: pd.DataFrame) -> Optional[str]:
 
 def step_ratio(ran: pd.DataFrame, row, reference: str) -> Optional[Comparison]:
     """The row's step ÷ the reference's: its recorded paired ratio where it has one, else compared from
-    the two series' rows at the point (paired where timed in one group, else apart)."""
-    recorded = interval(row, "ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
-    if recorded is not None:
-        return Comparison(recorded, paired=True)
+    the two series' rows at the point (paired where timed in one group, else apart); `noisy` where the
+    row or the reference's at the point is flagged so."""
     at_point = ran[(ran["batch"] == row["batch"]) & (ran["ctx"] == row["ctx"])]
     theirs = at_point[at_point[SERIES] == reference]
+    recorded = interval(row, "ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
+    if recorded is not None:
+        return Comparison(recorded, paired=True, noisy=flag(row, "noisy") or any_noisy(theirs))
     return compare(at_point[at_point[SERIES] == row[SERIES]], theirs) if not theirs.empty else None
 
 
