@@ -28,6 +28,7 @@ from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
 REPORT_DIR = "_report"  # under results_dir: '_' so pandas.read_parquet(results_dir) skips it
 TITLE = "Decode strategies: measured against the analytic model"
+MAX_PLOTTED_COHORTS = 12  # cohorts given their own plots; a folder of more lists the rest by name
 
 
 class ReportError(ValueError):
@@ -207,7 +208,12 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     if baseline is not None:
         sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder)))
     sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]))
-                 for g in groups]
+                 for g in groups[:MAX_PLOTTED_COHORTS]]
+    if len(groups) > MAX_PLOTTED_COHORTS:  # a folder of many models and machines: a bounded number of plots
+        sections.append(("Cohorts not drawn", lambda: [Heading("Cohorts not drawn"), Paragraph(
+            f"This folder holds {len(groups)} cohorts (model, machine, dtype, linear kernel); the "
+            f"{MAX_PLOTTED_COHORTS} with the most rows are drawn above, so that the report stays bounded. The others' "
+            "rows are in every table: " + ", ".join(f"{g.title}" for g in groups[MAX_PLOTTED_COHORTS:]) + ".")]))
     sections += [
         ("Roofs the predictions use", lambda: _roofs(table, groups)),
         ("Every row beside its prediction", lambda: _every_row(table)),

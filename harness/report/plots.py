@@ -18,13 +18,14 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point, ordered_strategies, reference_rows, SERIES
 from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
                                     new_figure, save, title)
-from harness.report.tradeoff import reference_series, step_ratio
+from harness.report.tradeoff import point_ratio, reference_series
 
 STRATEGY_COLOURS = PALETTE
 OTHER_COLOUR = "#7f7f7f"  # a series that is neither the reference nor a cache
+MAX_BARS = 80  # bars one plot draws: a folder of thousands of points draws the first ones and says so
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -168,9 +169,10 @@ def step_ratio_vs_context(group: Cohort, folder: Path) -> Optional[Path]:
     reference = reference_series(timed)
     if reference is None or timed[SERIES].nunique() < 2:
         return None
-    found = [(row, ratio) for _, row in timed[timed[SERIES] != reference].sort_values("ctx").iterrows()
-             if (ratio := step_ratio(timed[timed["batch"] == row["batch"]], row, reference)) is not None]
-    if not found:
+    found = [(row, ratio) for (_, _), at_point in timed.groupby(["batch", "ctx"], sort=True)
+             for series, row in at_point.drop_duplicates(SERIES).set_index(SERIES, drop=False).iterrows()
+             if series != reference and (ratio := point_ratio(at_point, series, reference)) is not None]
+    if not found:  # one marker per series and point, repeats pooled: a folder of thousands stays one plot
         return None
     batches = sorted({row["batch"] for row, _ in found})
     fig, axes = new_figure(4.2 * len(batches) + 2.6, 4.2, columns=len(batches), squeeze=False, sharey=True)
@@ -308,10 +310,12 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
 
 def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     """Peak memory of every ok row, stacked: weights, cache, the rest (split_of: summary.memory_split)."""
-    rows = [(r, split_of(r)) for _, r in group.timed.sort_values([SERIES, "batch", "ctx"]).iterrows()]
-    rows = [(r, split) for r, split in rows if split is not None]
+    points = newest_per_point(group.timed, [SERIES, "batch", "ctx"]).sort_values([SERIES, "batch", "ctx"])
+    rows = [(r, split) for _, r in points.iterrows() if (split := split_of(r)) is not None]
     if not rows:
         return None
+    shown = f" (the first {MAX_BARS} of {len(rows)} points)" if len(rows) > MAX_BARS else ""
+    rows = rows[:MAX_BARS]  # a bar per point stays readable up to this many
     labels = [f"{r[SERIES]}\n{int(r['batch'])}×{int(r['ctx'])}" for r, _ in rows]
     weights, cache, rest = (np.array([split[i] for _, split in rows]) / 2**20 for i in (1, 2, 3))
     fig, ax = new_figure(min(18.0, max(10.0, 0.45 * len(rows) + 4)), 4.8)
@@ -323,7 +327,7 @@ def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     ax.set_ylabel("MiB at the point's peak")
     ax.grid(True, axis="y", alpha=0.3)
     legend_outside(fig, [ax])
-    title(fig, f"Peak memory per point: weights, cache and the rest\n{group.title}")
+    title(fig, f"Peak memory per point{shown}: weights, cache and the rest\n{group.title}")
     return save(fig, folder, f"peak_memory_{group.slug}.png")
 
 
