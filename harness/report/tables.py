@@ -9,7 +9,7 @@ import pandas as pd
 
 from harness.report import units as fmt
 from harness.report.document import Table
-from harness.report.cohorts import cached_rows, plain_cache_strategy, SERIES
+from harness.report.cohorts import cached_rows, newest_per_point, plain_cache_strategy, SERIES
 
 ROW_ORDER = ["model", "device", "dtype", SERIES, "batch", "ctx"]
 
@@ -143,13 +143,13 @@ def skipped_files_table(skipped: list[tuple[str, str]]) -> Table:
 
 
 def equal_product_sets(ok: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
-    """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes), largest
-    product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
+    """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes; one row per
+    point, the newest), largest product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
     cached = cached_rows(ok).dropna(subset=["decode_step_s"])
     plain = plain_cache_strategy(cached)
     for strategy in [plain, *sorted(set(cached[SERIES]) - {plain})] if plain else []:
-        rows = cached[cached[SERIES] == strategy].copy()
-        rows["product"] = rows["batch"] * rows["ctx"]
+        rows = newest_per_point(cached[cached[SERIES] == strategy], ["batch", "ctx"])  # repeats: the newest
+        rows = rows.assign(product=rows["batch"] * rows["ctx"])
         sets = [(int(p), g.sort_values("batch", ascending=False))
                 for p, g in rows.groupby("product") if g["batch"].nunique() >= 2]
         if sets:
