@@ -76,9 +76,14 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
     try:
         joined, files = _read_together(paths)
-    except (pa.ArrowException, OSError):  # a damaged file fails the whole scan: find it file by file
-        joined, files, not_rows = _read_each(paths)
-        skipped += not_rows
+    except (pa.ArrowException, OSError):  # a damaged file fails the whole scan: find it by its footer
+        damaged = dict(_damaged(paths))
+        skipped += list(damaged.items())
+        try:
+            joined, files = _read_together([p for p in paths if str(p) not in damaged] or paths[:0])
+        except (pa.ArrowException, OSError):  # damage past the footer: every file read alone
+            joined, files, not_rows = _read_each([p for p in paths if str(p) not in damaged])
+            skipped += not_rows
     joined, foreign = _without_foreign(joined, files, folder)
     skipped += foreign
     if joined.num_rows == 0:
@@ -114,6 +119,19 @@ def _read_together(paths: list[Path]) -> tuple[pa.Table, list[str]]:
         batches.append(tagged.record_batch)
         files += [Path(tagged.fragment.path).name] * tagged.record_batch.num_rows
     return pa.Table.from_batches(batches, schema), files
+
+
+def _damaged(paths: list[Path]) -> list[tuple[str, str]]:
+    """(path, why) for each file whose footer does not read as Parquet, found in threads."""
+    def why(path: Path) -> str:
+        try:
+            pq.read_metadata(path)
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            return f"corrupt Parquet: {first_line(error, typed=False)}"
+        return ""
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return [(str(path), reason) for path, reason in zip(paths, pool.map(why, paths)) if reason]
 
 
 def _read_each(paths: list[Path]) -> tuple[pa.Table, list[str], list[tuple[str, str]]]:
