@@ -94,7 +94,12 @@ FOLDERS = {  # a representative folder -> how to write it
 }
 
 
-@pytest.mark.parametrize("case", FOLDERS)
+# Each folder's report takes seconds and each plan a second or two: two folders in the fast tier, all in the slow.
+IN_THE_FAST_TIER = {"cpu_small, recompute and a cache", "a checkpoint named after its file"}
+
+
+@pytest.mark.parametrize("case", [case if case in IN_THE_FAST_TIER else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in FOLDERS])
 def test_every_command_the_report_suggests_plans_as_written(case, tmp_path):
     """Each `python -m harness.run ...` the report prints is planned by the runner's own plan (every
     point composed, validated and resolved, nothing measured): a preset that does not exist, a

@@ -21,7 +21,7 @@ from harness.report.cohorts import Cohort, cached_rows, reference_rows
 from harness.report.verdicts import Verdict, compare, pooled_step, step_text, verdict
 
 HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
-          "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
+          "cache saves: time", "cache saves: FLOPs", "peak memory", "peak: weights", "peak: cache", "peak: rest"]
 
 
 def _one(rows: pd.DataFrame, series: str | None):
