@@ -88,6 +88,7 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     skipped += foreign
     if joined.num_rows == 0:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), sorted(skipped)
+    joined = joined.sort_by("source_file")  # the files' order, whatever order the scan's threads finished in
     joined = joined.replace_schema_metadata(None).combine_chunks()  # one chunk per column: one conversion each
     return joined.to_pandas(), sorted(skipped)
 
