@@ -134,8 +134,15 @@ def test_an_accuracy_pass_memory_cannot_hold_is_refused_by_the_plan(eight_gib, o
     assert message.startswith(f"{key}:") and "GiB of memory is free" in message, message
 
 
-def test_accuracy_steps_beyond_the_tokens_scored_are_not_run():
-    point = planned_point("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2", "accuracy.steps=20000",
+@pytest.mark.parametrize("steps,tokens", [(20000, 8), (65, 64), (64, 1)])
+def test_accuracy_steps_beyond_the_tokens_scored_are_refused(steps, tokens):
+    message = refused_quickly("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2",
+                              f"accuracy.steps={steps}", f"accuracy.tokens={tokens}")
+    assert message == f"accuracy.steps: must be at most accuracy.tokens={tokens:,} (the tokens scored), got {steps:,}"
+
+
+def test_accuracy_steps_equal_to_the_tokens_scored_run_as_asked():
+    point = planned_point("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2", "accuracy.steps=8",
                           "accuracy.tokens=8")
     assert (point.accuracy.steps, point.accuracy.tokens) == (8, 8)
 

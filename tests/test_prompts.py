@@ -161,7 +161,7 @@ def test_a_prompt_file_changed_after_planning_is_refused_in_the_point(checkpoint
     path = tmp_path / "ids.json"
     path.write_text(json.dumps(list(range(50))))
     point = planned_point(f"model.checkpoint={folder}", f"prompt={path}", "strategy=quantized", "ctx=8",
-                          "decode_tokens=2", "accuracy.tokens=16")
+                          "decode_tokens=2", "accuracy.tokens=16", "accuracy.steps=8")
     path.write_text(json.dumps(list(range(1, 51))))
     model = build_model(point.model, torch.device("cpu"), torch.float32, point.seed, point.matmul, point.batch)
     with pytest.raises(PromptError, match="changed since the sweep was planned"):

@@ -94,7 +94,7 @@ class AccuracyConfig:
 
     tokens: int = 1024  # tokens scored per point, whatever decode_tokens is: windows x steps
     # decode steps per window, each scoring one token; windows' scored tokens never overlap (their prompts may);
-    # a point takes at most `tokens` of them (harness.run.resolve): a step past the tokens scored would score nothing
+    # at most `tokens` (harness.config.validate): a step past the tokens scored would score nothing
     steps: int = 64
     batch: int = 16  # windows run together as one batch (a chunk); bounds the pass's memory
 

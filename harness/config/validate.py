@@ -31,7 +31,7 @@ SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3", "linear")  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
-ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
+ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens (.steps at most them): each scored token is a decode step of two models
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -271,6 +271,9 @@ def validate_timing(timing) -> None:
 def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
     positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
+    if accuracy.steps > accuracy.tokens:  # a window's steps past the tokens scored would score nothing: refused, not cut
+        raise ConfigError("accuracy.steps", f"must be at most accuracy.tokens={accuracy.tokens:,} (the tokens scored), "
+                                            f"got {accuracy.steps:,}")
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
 
 
