@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config.schema import unknown_key
 from harness.config.texts import is_builtin_text
 from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
 
@@ -327,6 +328,10 @@ def validate_run(cfg, cuda_available) -> None:
 
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
+    unknown = unknown_key(cfg)
+    if unknown:
+        raise ConfigError(unknown[0], f"is not a key; allowed{' in ' + unknown[0].rpartition('.')[0] if '.' in unknown[0] else ''}: "
+                                      f"{', '.join(unknown[1])}")
     validate_workload(cfg)
     output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)
