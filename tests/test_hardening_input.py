@@ -49,6 +49,8 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     (["+timing.warmup=2"], "timing.warmup"),  # a TypeError from TimingConfig's constructor before
     (["strategy=quantized", "+accuracy.foo=2"], "accuracy.foo"),
     (["+model.ROW_PREFIX=1"], "model.ROW_PREFIX"),  # a class attribute, not a field
+    (["+batch=4"], "batch"),  # a key the config has: Hydra's "Could not append to config" named no key first
+    (["+strategy.backend=c"], "strategy.backend"),
 ])
 def test_a_value_that_cannot_be_written_is_refused_by_the_plan(overrides, key):
     assert refusal(*overrides).startswith(f"{key}:")
@@ -106,6 +108,10 @@ def analytic(*args: str) -> tuple[int, str, str]:
     (["strategy=paged", "strategy.block_size=1e400"], "strategy.block_size"),
     (["strategy._target_=nosuch.Klass"], "strategy._target_"),
     (["results_dir=", "hardware=measured"], "results_dir"),
+    (["+foo=1"], "foo"),  # a key added with `+` that no schema names: carried along unread, exit 0, before
+    (["+model.foo=1"], "model.foo"),
+    (["+hardware.foo=1"], "hardware.foo"),
+    (["+batch=4"], "batch"),  # Hydra's "Could not append to config", which named no key first
 ])
 def test_analytic_cli_refuses_in_one_line(args, key):
     code, out, err = analytic(*args)

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.config.schema import unknown_key
+from harness.config.schema import RunConfig, unknown_key
 from harness.config.texts import is_builtin_text
 from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
 
@@ -322,16 +322,29 @@ def validate_workload(cfg) -> None:
     validate_model(cfg.model)
 
 
+def known_keys(cfg, schema=RunConfig) -> None:
+    """ConfigError naming the first key of a composed config that no field of `schema` names (one
+    added with `+`), with the keys allowed where it stands."""
+    unknown = unknown_key(cfg, schema)
+    if unknown:
+        key, allowed = unknown
+        parent = key.rpartition(".")[0]
+        raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
+
+
+def appended_twice(message: str) -> Optional[ConfigError]:
+    """Hydra's refusal of `+key=value` for a key the config has (its words name no fix), said on the key."""
+    found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
+    return ConfigError(found.group(1), "is a key already: set it without '+'") if found else None
+
+
 def validate_run(cfg, cuda_available) -> None:
     """Raise ConfigError for the first bad value of a composed RunConfig (the strategy's own options
     are checked by its class, in harness.run.resolve).
 
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
-    unknown = unknown_key(cfg)
-    if unknown:
-        raise ConfigError(unknown[0], f"is not a key; allowed{' in ' + unknown[0].rpartition('.')[0] if '.' in unknown[0] else ''}: "
-                                      f"{', '.join(unknown[1])}")
+    known_keys(cfg)
     validate_workload(cfg)
     output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)
