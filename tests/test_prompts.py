@@ -52,7 +52,8 @@ def test_rows_give_one_window_each(tmp_path):
 
 
 def test_ragged_or_fractional_ids_are_refused(tmp_path):
-    for name, content in [("ragged.json", [[1, 2], [3]]), ("floats.json", [1.5, 2.0]), ("empty.json", [])]:
+    for name, content in [("ragged.json", [[1, 2], [3]]), ("floats.json", [1.5, 2.0]), ("empty.json", []),
+                          ("bools.json", [True, 2, 3]), ("bool_rows.json", [[2, 3], [2, False]])]:  # NumPy: 1 and 0
         (tmp_path / name).write_text(json.dumps(content))
         with pytest.raises(PromptError, match=name):
             read_tokens(tmp_path / name, None)
