@@ -45,6 +45,12 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     (["-m", "model=glob(*)"], "model"),  # the glob also matches model_schema
     (["calibration_budget_s=0"], "calibration_budget_s"),
     (["calibration_budget_s=nan"], "calibration_budget_s"),
+    (["+batchs=4"], "batchs"),  # a key added with `+` that no schema names: carried along unread before
+    (["+timing.warmup=2"], "timing.warmup"),  # a TypeError from TimingConfig's constructor before
+    (["strategy=quantized", "+accuracy.foo=2"], "accuracy.foo"),
+    (["+model.ROW_PREFIX=1"], "model.ROW_PREFIX"),  # a class attribute, not a field
+    (["+batch=4"], "batch"),  # a key the config has: Hydra's "Could not append to config" named no key first
+    (["+strategy.backend=c"], "strategy.backend"),
 ])
 def test_a_value_that_cannot_be_written_is_refused_by_the_plan(overrides, key):
     assert refusal(*overrides).startswith(f"{key}:")
@@ -102,6 +108,10 @@ def analytic(*args: str) -> tuple[int, str, str]:
     (["strategy=paged", "strategy.block_size=1e400"], "strategy.block_size"),
     (["strategy._target_=nosuch.Klass"], "strategy._target_"),
     (["results_dir=", "hardware=measured"], "results_dir"),
+    (["+foo=1"], "foo"),  # a key added with `+` that no schema names: carried along unread, exit 0, before
+    (["+model.foo=1"], "model.foo"),
+    (["+hardware.foo=1"], "hardware.foo"),
+    (["+batch=4"], "batch"),  # Hydra's "Could not append to config", which named no key first
 ])
 def test_analytic_cli_refuses_in_one_line(args, key):
     code, out, err = analytic(*args)
@@ -190,7 +200,8 @@ def test_hydras_run_folder_is_unique_per_process():
 
 # The CLI's own main() (in process: tests/conftest.py, refused_by_runner), from a fresh working directory.
 @pytest.mark.parametrize("args", [["results_dir="], ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"],
-                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"]])
+                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"],
+                                  ["+timing.warmup=2"]])
 def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args):
     before = set(os.listdir("/"))
     monkeypatch.chdir(tmp_path)

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config.schema import RunConfig, unknown_key
 from harness.config.texts import is_builtin_text
 from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
 
@@ -31,7 +32,7 @@ SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3", "linear")  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
-ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
+ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens (.steps at most them): each scored token is a decode step of two models
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -271,6 +272,9 @@ def validate_timing(timing) -> None:
 def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
     positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
+    if accuracy.steps > accuracy.tokens:  # a window's steps past the tokens scored would score nothing: refused, not cut
+        raise ConfigError("accuracy.steps", f"must be at most accuracy.tokens={accuracy.tokens:,} (the tokens scored), "
+                                            f"got {accuracy.steps:,}")
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
 
 
@@ -318,12 +322,29 @@ def validate_workload(cfg) -> None:
     validate_model(cfg.model)
 
 
+def known_keys(cfg, schema=RunConfig) -> None:
+    """ConfigError naming the first key of a composed config that no field of `schema` names (one
+    added with `+`), with the keys allowed where it stands."""
+    unknown = unknown_key(cfg, schema)
+    if unknown:
+        key, allowed = unknown
+        parent = key.rpartition(".")[0]
+        raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
+
+
+def appended_twice(message: str) -> Optional[ConfigError]:
+    """Hydra's refusal of `+key=value` for a key the config has (its words name no fix), said on the key."""
+    found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
+    return ConfigError(found.group(1), "is a key already: set it without '+'") if found else None
+
+
 def validate_run(cfg, cuda_available) -> None:
     """Raise ConfigError for the first bad value of a composed RunConfig (the strategy's own options
     are checked by its class, in harness.run.resolve).
 
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
+    known_keys(cfg)
     validate_workload(cfg)
     output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)
