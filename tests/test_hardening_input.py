@@ -132,8 +132,11 @@ def test_output_folder_refuses_empty_file_under_file(tmp_path):
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    os.mkfifo(tmp_path / "pipe")
     for value, expected in [("", "is empty"), ("  ", "is empty"), (str(a_file), "is a file"),
-                            (str(a_file / "below"), "under the file")]:
+                            (str(a_file / "below"), "under '.*', a file"), ("/dev/null", "is a character device"),
+                            ("/dev/null/x", "under '/dev/null', a character device"),
+                            (str(tmp_path / "pipe"), "is a FIFO")]:  # each said as what it is, not "a file"
         with pytest.raises(ConfigError, match=expected):
             output_folder("results_dir", value)
     assert output_folder("results_dir", str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"

@@ -200,14 +200,14 @@ def output_folder(key: str, value: Any) -> Path:
     absolute = Path(os.path.abspath(path))
     try:
         if absolute.exists() and not absolute.is_dir():
-            raise ConfigError(key, f"'{path}' is a file, not a folder")
+            raise ConfigError(key, f"'{path}' is {kind_of(absolute)}, not a folder")  # a device or FIFO said as such
         existing = absolute
         while not existing.exists():
             existing = existing.parent
     except OSError as error:
         raise ConfigError(key, f"cannot use '{path}': {error.strerror}") from None
     if not existing.is_dir():
-        raise ConfigError(key, f"'{path}' is under the file '{existing}', not a folder")
+        raise ConfigError(key, f"'{path}' is under '{existing}', {kind_of(existing)}, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "is read-only" if existing == absolute else f"cannot be created: '{existing}' is read-only"
         raise ConfigError(key, f"'{path}' {where}")
