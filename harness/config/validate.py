@@ -143,12 +143,13 @@ def first_line(error: BaseException, typed: bool = True) -> str:
     return f"{type(error).__name__}: {line}" if typed else line
 
 
-def _path_text(key: str, value: Any) -> str:
+def _path_text(key: str, value: Any, names: str = "a folder") -> str:
+    """`value` as a path's text; `names`: what the key names, as its refusal says it."""
     text = "" if value is None else str(value)
     if not text.strip():
-        raise ConfigError(key, "is empty: name a folder (absolute, or relative to the working directory)")
+        raise ConfigError(key, f"is empty: name {names} (absolute, or relative to the working directory)")
     if "\0" in text:
-        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name a folder")
+        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name {names}")
     return text
 
 
@@ -163,7 +164,7 @@ def input_file(key: str, value: Any) -> Path:
 
 
 def _existing(key: str, value: Any, folder: bool) -> Path:
-    text = _path_text(key, value)
+    text = _path_text(key, value, "a folder" if folder else "a file")
     try:
         path = expanded(text)
         found = path.is_dir() if folder else path.is_file()
@@ -181,7 +182,7 @@ def checkpoint_path(key: str, value: Any) -> Path:
     as `pkg:PACKAGE/FILE` (harness.config.paths.checkpoint_location). Its contents are
     harness.model.checkpoint's to check."""
     try:
-        path = checkpoint_location(_path_text(key, value))
+        path = checkpoint_location(_path_text(key, value, "a checkpoint folder or GGUF file"))
         kind = kind_of(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
