@@ -333,10 +333,16 @@ def known_keys(cfg, schema=RunConfig) -> None:
         raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
 
 
-def appended_twice(message: str) -> Optional[ConfigError]:
-    """Hydra's refusal of `+key=value` for a key the config has (its words name no fix), said on the key."""
+def composition_refusal(message: str) -> Optional[ConfigError]:
+    """Hydra's and OmegaConf's refusals whose words name no fix, said on the key with what is allowed:
+    `+key=value` for a key the config has, null for a key that takes none."""
     found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
-    return ConfigError(found.group(1), "is a key already: set it without '+'") if found else None
+    if found:
+        return ConfigError(found.group(1), "is a key already: set it without '+'")
+    found = re.search(r"field '([^']+)' is not Optional", message)
+    if found:
+        return ConfigError(found.group(1), "cannot be null: give it a value")
+    return None
 
 
 def validate_run(cfg, cuda_available) -> None:

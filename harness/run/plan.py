@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
-from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, appended_twice, first_line,
+from harness.config.validate import (INT64_MAX, NAME_CHARACTERS, ConfigError, composition_refusal, first_line,
                                      interpolations_resolve, output_folder, safe_name, validate_run)
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
@@ -431,9 +431,9 @@ def _composition_error(error: Exception) -> ConfigError:
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
     message = first_line(cause, typed=False)
-    twice = appended_twice(first_line(error, typed=False))
-    if twice:
-        return twice
+    said = composition_refusal(first_line(error, typed=False)) or composition_refusal(message)
+    if said:
+        return said
     if "is not in struct" in str(cause) or "Could not override" in str(error):
         message = f"unknown key ({first_line(error, typed=False)})"
     elif "could not be converted" in message or "Value '" in message:
