@@ -177,6 +177,9 @@ NAMES = {  # name -> (overrides given tmp_path, the key, what the line says, wha
     "a FIFO as a checkpoint": (lambda tmp: [f"model.checkpoint={fifo(tmp)}"], "model.checkpoint", "FIFO", "a folder,"),
     "ragged JSON rows": (lambda tmp: [ragged(tmp)], "prompt", "rows of 2 to 3 ids", "not JSON"),
     "JSON of ids and rows": (lambda tmp: [mixed(tmp)], "prompt", "must hold integer token ids", "not JSON"),
+    "an empty prompt": (lambda tmp: ["prompt="], "prompt", "is empty: name a file", "a folder"),
+    "an empty checkpoint": (lambda tmp: ["model.checkpoint= "], "model.checkpoint", "GGUF file", "name a folder"),
+    "results_dir=/dev/null": (lambda tmp: ["results_dir=/dev/null"], "results_dir", "character device", "a file"),
     "a 100 KB model.name": (lambda tmp: [f"model.name={'x' * 100_000}/"], "model.name", "...", "x" * 2000),
 }
 

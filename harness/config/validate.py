@@ -143,12 +143,13 @@ def first_line(error: BaseException, typed: bool = True) -> str:
     return f"{type(error).__name__}: {line}" if typed else line
 
 
-def _path_text(key: str, value: Any) -> str:
+def _path_text(key: str, value: Any, names: str = "a folder") -> str:
+    """`value` as a path's text; `names`: what the key names, as its refusal says it."""
     text = "" if value is None else str(value)
     if not text.strip():
-        raise ConfigError(key, "is empty: name a folder (absolute, or relative to the working directory)")
+        raise ConfigError(key, f"is empty: name {names} (absolute, or relative to the working directory)")
     if "\0" in text:
-        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name a folder")
+        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name {names}")
     return text
 
 
@@ -163,7 +164,7 @@ def input_file(key: str, value: Any) -> Path:
 
 
 def _existing(key: str, value: Any, folder: bool) -> Path:
-    text = _path_text(key, value)
+    text = _path_text(key, value, "a folder" if folder else "a file")
     try:
         path = expanded(text)
         found = path.is_dir() if folder else path.is_file()
@@ -181,7 +182,7 @@ def checkpoint_path(key: str, value: Any) -> Path:
     as `pkg:PACKAGE/FILE` (harness.config.paths.checkpoint_location). Its contents are
     harness.model.checkpoint's to check."""
     try:
-        path = checkpoint_location(_path_text(key, value))
+        path = checkpoint_location(_path_text(key, value, "a checkpoint folder or GGUF file"))
         kind = kind_of(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
@@ -200,14 +201,14 @@ def output_folder(key: str, value: Any) -> Path:
     absolute = Path(os.path.abspath(path))
     try:
         if absolute.exists() and not absolute.is_dir():
-            raise ConfigError(key, f"'{path}' is a file, not a folder")
+            raise ConfigError(key, f"'{path}' is {kind_of(absolute)}, not a folder")  # a device or FIFO said as such
         existing = absolute
         while not existing.exists():
             existing = existing.parent
     except OSError as error:
         raise ConfigError(key, f"cannot use '{path}': {error.strerror}") from None
     if not existing.is_dir():
-        raise ConfigError(key, f"'{path}' is under the file '{existing}', not a folder")
+        raise ConfigError(key, f"'{path}' is under '{existing}', {kind_of(existing)}, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "is read-only" if existing == absolute else f"cannot be created: '{existing}' is read-only"
         raise ConfigError(key, f"'{path}' {where}")
@@ -332,10 +333,16 @@ def known_keys(cfg, schema=RunConfig) -> None:
         raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
 
 
-def appended_twice(message: str) -> Optional[ConfigError]:
-    """Hydra's refusal of `+key=value` for a key the config has (its words name no fix), said on the key."""
+def composition_refusal(message: str) -> Optional[ConfigError]:
+    """Hydra's and OmegaConf's refusals whose words name no fix, said on the key with what is allowed:
+    `+key=value` for a key the config has, null for a key that takes none."""
     found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
-    return ConfigError(found.group(1), "is a key already: set it without '+'") if found else None
+    if found:
+        return ConfigError(found.group(1), "is a key already: set it without '+'")
+    found = re.search(r"field '([^']+)' is not Optional", message)
+    if found:
+        return ConfigError(found.group(1), "cannot be null: give it a value")
+    return None
 
 
 def validate_run(cfg, cuda_available) -> None:
