@@ -7,6 +7,7 @@ compiled model was asked for (KV_CACHE_PRECISION f32 / u8 / u4; with u4 the keys
 plugin takes KEY_CACHE_QUANT_MODE). Compute is fp32 everywhere (INFERENCE_PRECISION_HINT f32: the plugin
 would otherwise run bf16 on a CPU that has it). A rewind reads each state, keeps its first `length`
 positions and writes them back (the state API OpenVINO documents for trimming a stateful LLM's cache).
+u4 is a skipped row on OpenVINO 2026.4.1: its CPU plugin corrupts the heap with a u4 cache (CRASHES).
 
 Threads: INFERENCE_NUM_THREADS is the point's torch threads, one stream, no core pinning (the process's
 threads are shared by every member of a group, and a pinned arena would tie the caller's thread to a
@@ -29,6 +30,13 @@ from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, lo
 KV_PROPERTIES = {"f32": {"KV_CACHE_PRECISION": "f32"},
                  "u8": {"KV_CACHE_PRECISION": "u8"},
                  "u4": {"KV_CACHE_PRECISION": "u4", "KEY_CACHE_QUANT_MODE": "BY_CHANNEL"}}
+# OpenVINO 2026.4.1's CPU plugin corrupts the process's heap with a u4 KV cache once the state is
+# trimmed or reset and run again: VariableState.set_state aborts in glibc ("munmap_chunk(): invalid
+# pointer"), and reset_state followed by infer dies in a later infer or at exit ("corrupted size vs.
+# prev_size"). A crash would take the whole group down, so the member is a skipped row saying so.
+CRASHES = {"u4": "OpenVINO 2026.4.1's CPU plugin corrupts the heap with a u4 KV cache once its state is set or "
+                 "reset (glibc: 'munmap_chunk(): invalid pointer' in set_state; 'corrupted size vs. prev_size' "
+                 "after reset_state and infer); not run"}
 BASE_PROPERTIES = {"INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
                    "ENABLE_CPU_PINNING": False}
 STATE_PROPERTIES = ("KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "KEY_CACHE_QUANT_MODE")
@@ -83,9 +91,10 @@ class OpenVINOStrategy(PeerStrategy):
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
         from strategies.openvino_ir import stateful_model
-        from strategies.ortgenai import hf_folder
 
-        xml = stateful_model(hf_folder(self.engine_weights(model)))
+        if self.kv_type in CRASHES and _version() == "2026.4.1":
+            raise StrategyUnavailable(CRASHES[self.kv_type])
+        xml = stateful_model(self.engine_weights(model))
         try:
             compiled = _compiled(str(xml), tuple(sorted(self.properties(torch.get_num_threads()).items())))
         except RuntimeError as error:  # the plugin's refusal of a property or the model

@@ -5,9 +5,8 @@ OpenVINO's route for LLMs is a stateful IR: the past K/V of every layer are the 
 (ReadValue/Assign pairs), never inputs, and its CPU plugin fuses each ReadValue -> Concat -> SDPA -> Assign
 chain into one attention node that owns the cache in the KV precision asked for at compile time
 (KV_CACHE_PRECISION). optimum-intel's exporter makes that model but pulls nncf, scikit-learn, scipy and a
-torch of its own; so the harness converts with `openvino.convert_model` alone: the Hugging Face folder the
-ONNX Runtime GenAI member writes from the same F32 GGUF copy (strategies.ortgenai.hf_folder), wrapped in
-a forward whose past K/V are flat tensors (traceable: no Cache objects, no branch on a shape), then
+torch of its own; so the harness converts with `openvino.convert_model` alone: transformers' model read
+from the same F32 GGUF copy the other engines get (harness.model.gguf_writer), wrapped in a forward whose past K/V are flat tensors (traceable: no Cache objects, no branch on a shape), then
 OpenVINO's own make-stateful transformation with a `beam_idx` gather on each state (the layout of the
 stateful LLMs OpenVINO's tools write, which the CPU plugin's fusion expects).
 
@@ -77,13 +76,17 @@ class FlatPast(torch.nn.Module):
         return (self.model.lm_head(inner.norm(hidden[:, -1])), *present)
 
 
-def stateful_model(hf_folder: Path) -> Path:
-    """The stateful fp32 IR of the Hugging Face folder's model (converted once; its folder)."""
-    folder = weights_dir() / "openvino" / f"{hf_folder.name.removesuffix('-hf')}-stateful"
+def stateful_model(gguf: str) -> Path:
+    """The stateful fp32 IR of the float GGUF copy's model (converted once; its .xml file)."""
+    folder = weights_dir() / "openvino" / f"{Path(gguf).stem}-stateful"
     if not (folder / XML).exists():
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         partial.mkdir(parents=True, exist_ok=True)
-        _convert(hf_folder, partial / XML)
+        try:
+            _convert(Path(gguf), partial / XML)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         try:
             os.replace(partial, folder)
         except OSError:  # a concurrent writer's identical folder is already there
@@ -91,13 +94,17 @@ def stateful_model(hf_folder: Path) -> Path:
     return folder / XML
 
 
-def _convert(hf_folder: Path, target: Path) -> None:
+def _convert(gguf: Path, target: Path) -> None:
     import openvino as ov
     from openvino import opset13
     from openvino._offline_transformations import apply_make_stateful_transformation
     from transformers import AutoModelForCausalLM
 
-    flat = FlatPast(AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval())
+    # transformers reads the copy (restoring the q/k rows' order a GGUF file permutes) in memory: it
+    # refuses to save a model it read from GGUF (save_pretrained: "quantized with gguf and is not
+    # serializable"), so no Hugging Face folder is written on the way
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    flat = FlatPast(hf.eval())
     layers = flat.model.config.num_hidden_layers
     past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in STATE_PAIRS]
     # an example with past and new tokens both > 1 wide, so no dimension is traced as a constant 1
@@ -105,10 +112,10 @@ def _convert(hf_folder: Path, target: Path) -> None:
     example = (torch.ones(batch, new, dtype=torch.int64), torch.ones(batch, past + new, dtype=torch.int64),
                torch.arange(past, past + new).repeat(batch, 1),
                *(torch.randn(batch, flat.kv_heads, past, flat.head_dim) for _ in past_names))
-    inputs = [(name, [-1, -1], ov.Type.i64) for name in ("input_ids", "attention_mask", "position_ids")]
-    inputs += [(name, [-1, flat.kv_heads, -1, flat.head_dim], ov.Type.f32) for name in past_names]
-    with torch.no_grad():
-        model = ov.convert_model(flat, example_input=example, input=inputs)
+    with torch.no_grad():  # every dimension but heads and head width comes out dynamic
+        model = ov.convert_model(flat, example_input=example)
+    for port, name in zip(model.inputs, ["input_ids", "attention_mask", "position_ids", *past_names]):
+        port.get_tensor().set_names({name})  # the traced *past arguments come unnamed
     present_names = [name.replace("past_key_values", "present") for name in past_names]
     for output, name in zip(model.outputs, ["logits", *present_names]):
         output.get_tensor().set_names({name})

@@ -13,7 +13,7 @@ import torch
 
 from harness.config import ConfigError
 from strategies.backends import StrategyUnavailable
-from strategies.openvino import OpenVINOStrategy
+from strategies.openvino import CRASHES, OpenVINOStrategy
 from tests.conftest import planned_point
 from tests.peer_checks import aa_pair_ratio
 from tests.gguf_files import CONFIG, Q, byte_level_vocab, random_weights, write_gguf
@@ -65,6 +65,9 @@ def test_openvino_members_run_in_the_group_beside_the_exact_cache(model_file):
     rows = dict(zip(names, measure_group(GroupRequest("openvino", tuple(point_of(model_file, n) for n in names)))))
     for name in names[1:]:
         row = rows[name]
+        if name.removeprefix("openvino_") in CRASHES and row["engine_version"] == "OpenVINO 2026.4.1":
+            assert row["status"] == "skipped" and row["reason"] == CRASHES["u4"], row["reason"]
+            continue
         assert row["status"] == "ok", row["reason"]
         assert row["engine"] == "OpenVINO" and row["step_granularity"] == "token"
         assert row["engine_kv_type"].startswith(name.removeprefix("openvino_"))
@@ -75,7 +78,8 @@ def test_openvino_members_run_in_the_group_beside_the_exact_cache(model_file):
     assert exact["agreement_logit_rel"] <= exact["agreement_logit_rel_bound"]
     assert exact["logit_kl_mean"] < exact["agreement_kl_mean_bound"]
     assert rows["openvino_u8"]["agreement_logit_rel"] is None  # approximate: scored, not held to a bound
-    assert rows["openvino_u4"]["logit_kl_mean"] > rows["openvino_u8"]["logit_kl_mean"]
+    if rows["openvino_u4"]["status"] == "ok":
+        assert rows["openvino_u4"]["logit_kl_mean"] > rows["openvino_u8"]["logit_kl_mean"]
     assert rows["openvino_u8"]["kv_cache_bytes"] < exact["kv_cache_bytes"]
 
 
