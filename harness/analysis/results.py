@@ -5,8 +5,8 @@
     df.attrs["skipped_files"]  # [(path, reason), ...]: corrupt or foreign files, not read
     df.attrs["duplicates"]  # [(point_key, files), ...]: one point read from several files, kept once
 
-Every `*.parquet` file at the top level of the folder is read, in one pyarrow dataset scan, and one
-corrupt or foreign file is named and skipped instead of failing the whole read (read_rows). Names starting with '_'
+Every `*.parquet` file at the top level of the folder is read, in threads, and checked on its own, so one
+corrupt or foreign file is named and skipped instead of failing the whole read. Names starting with '_'
 or '.' (the report, Hydra's logs, the calibration) are never rows. Rows of an older schema_version are
 brought up to date by harness.store.upgrade.
 
@@ -20,19 +20,14 @@ docs/report.md. `load` accepts several folders (rows of several hosts or devices
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from harness.analysis.analytic import Roof
@@ -41,7 +36,6 @@ from harness.analysis.hardware import HardwareError, datasheet_for_device_name, 
 from harness.config import CacheLayout, ModelConfig
 from harness.config.validate import first_line
 from harness.store import calibration
-from harness.store.columns import SCHEMA
 from harness.store.upgrade import upgrade
 
 # Columns a file must have to be read as a harness row (the rest may be missing in older rows).
@@ -63,118 +57,31 @@ class RowRoof:
 
 def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     """All rows of the folder's Parquet files, as written (harness.store.upgrade brings them up to
-    date), and the entries that were not read (path, reason).
-
-    The files are read together, in one pyarrow dataset scan (its threads, no Python per file): a
-    folder of thousands of one-row files is bounded by the disk and Arrow, not by the interpreter. A
-    file the scan cannot read (damaged) sends the read to `_read_each`, which reads each file alone
-    and names the ones that fail; a file lacking a harness row's columns (foreign) is found by its
-    nulls where every row has a value, and named by reading it alone."""
+    date), and the entries that were not read (path, reason). The files are read in threads (pyarrow
+    releases the GIL) and joined as one Arrow table, converted to pandas once: a folder of thousands
+    of one-row files reads in seconds rather than minutes."""
     folder = Path(results_dir)
-    paths, skipped = _listing(folder)
-    if not paths:
-        return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
-    try:
-        joined, files = _read_together(paths)
-    except (pa.ArrowException, OSError):  # a damaged file fails the whole scan: find it by its footer
-        damaged = dict(_damaged(paths))
-        skipped += list(damaged.items())
-        try:
-            joined, files = _read_together([p for p in paths if str(p) not in damaged] or paths[:0])
-        except (pa.ArrowException, OSError):  # damage past the footer: every file read alone
-            joined, files, not_rows = _read_each([p for p in paths if str(p) not in damaged])
-            skipped += not_rows
-    joined, foreign = _without_foreign(joined, files, folder)
-    skipped += foreign
-    if joined.num_rows == 0:
-        return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), sorted(skipped)
-    joined = joined.sort_by("source_file")  # the files' order, whatever order the scan's threads finished in
-    joined = joined.replace_schema_metadata(None).combine_chunks()  # one chunk per column: one conversion each
-    return joined.to_pandas(), sorted(skipped)
-
-
-def _listing(folder: Path) -> tuple[list[Path], list[tuple[str, str]]]:
-    """(the row files of the folder, sorted; the entries that are not row files, with why)."""
     paths, skipped = [], []
-    with os.scandir(folder) if folder.is_dir() else contextlib.nullcontext([]) as entries:
-        for entry in entries:
-            path = Path(entry.path)
-            if entry.name.startswith(("_", ".")):
-                continue
-            if entry.is_dir():
-                skipped.append((str(path), "a folder: not read (pandas.read_parquet on the results folder would read it as a partition)"))
-            elif path.suffix != ".parquet":
-                skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
-            else:
-                paths.append(path)
-    return sorted(paths), skipped
-
-
-def _read_together(paths: list[Path]) -> tuple[pa.Table, list[str]]:
-    """Every file's rows as one table over the union of their columns (older files lack newer columns),
-    and the name of the file each row came from."""
-    factory = ds.FileSystemDatasetFactory(pafs.LocalFileSystem(), [str(p) for p in paths], ds.ParquetFileFormat())
-    schema = factory.inspect(promote_options="permissive").remove_metadata()  # every footer, in Arrow's threads
-    batches, files = [], []
-    for tagged in factory.finish(schema).scanner(use_threads=True).scan_batches():
-        batches.append(tagged.record_batch)
-        files += [Path(tagged.fragment.path).name] * tagged.record_batch.num_rows
-    return pa.Table.from_batches(batches, schema), files
-
-
-def _damaged(paths: list[Path]) -> list[tuple[str, str]]:
-    """(path, why) for each file whose footer does not read as Parquet, found in threads."""
-    def why(path: Path) -> str:
-        try:
-            pq.read_metadata(path)
-        except Exception as error:  # pyarrow raises several types for a damaged file
-            return f"corrupt Parquet: {first_line(error, typed=False)}"
-        return ""
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return [(str(path), reason) for path, reason in zip(paths, pool.map(why, paths)) if reason]
-
-
-def _read_each(paths: list[Path]) -> tuple[pa.Table, list[str], list[tuple[str, str]]]:
-    """Every file read alone, in threads (pyarrow releases the GIL): the rows of those that read, the
-    file of each row, and (path, why) for those that do not."""
-    tables, files, skipped = [], [], []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.name.startswith(("_", ".")):
+            continue
+        if path.is_dir():
+            skipped.append((str(path), "a folder: not read (pandas.read_parquet on the results folder would read it as a partition)"))
+        elif path.suffix != ".parquet":
+            skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
+        else:
+            paths.append(path)
+    tables = []
     with ThreadPoolExecutor(max_workers=4) as pool:
         for path, (table, why) in zip(paths, pool.map(_read_one, paths)):
             if table is None:
                 skipped.append((str(path), why))
             else:
-                tables.append(table)
-                files += [path.name] * table.num_rows
+                tables.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
     if not tables:
-        return pa.table({c: pa.array([], pa.string()) for c in REQUIRED_COLUMNS}), [], skipped
-    return pa.concat_tables(tables, promote_options="permissive"), files, skipped
-
-
-def _without_foreign(table: pa.Table, files: list[str], folder: Path) -> tuple[pa.Table, list[tuple[str, str]]]:
-    """The table without the rows of files that are not harness rows, a `source_file` column added, and
-    (path, why) for each file left out. A row null in a column every row has is a suspect; its file is
-    read alone to say why (or kept, where it is a row after all)."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:  # not one file has them: nothing here is a row
-        return table.slice(0, 0).append_column("source_file", pa.array([], pa.string())), [
-            (str(folder / name), f"not a harness row: missing columns {', '.join(missing)}") for name in dict.fromkeys(files)]
-    suspect = np.zeros(table.num_rows, dtype=bool)
-    for column in REQUIRED_COLUMNS:
-        suspect |= table[column].is_null().to_numpy(zero_copy_only=False)
-    names = np.array(files, dtype=object)
-    foreign = []
-    for name in dict.fromkeys(names[suspect]):
-        _, why = _read_one(folder / name)
-        if why:
-            foreign.append((str(folder / name), why))
-    keep = ~np.isin(names, [Path(path).name for path, _ in foreign])
-    table = table.append_column("source_file", pa.array(names, pa.string()))
-    if keep.all():
-        return table, foreign
-    table = table.filter(pa.array(keep))
-    theirs = [c for c in table.column_names if c not in SCHEMA.names and table[c].null_count == table.num_rows]
-    return table.drop_columns(theirs), foreign  # columns only the foreign files had
+        return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
+    joined = pa.concat_tables(tables, promote_options="permissive")  # older files lack newer columns
+    return joined.to_pandas(), skipped
 
 
 def _read_one(path: Path) -> tuple[pa.Table | None, str]:
