@@ -181,7 +181,7 @@ grep -q "4 point(s) in .*: 4 ok\. .*Report: python -m harness.report results_dir
   || { tail -n 5 "$log" >&2; fail "the parent's closing line does not count the 4 rows that landed"; }
 # A group whose window was slow beside the others is measured again as one more job (docs/cluster.md):
 # N groups make N jobs plus one per such group, which the log names.
-again=$(grep -c "^.*group [0-9a-f]*: measured again" "$log" || true)
+again=$(grep -c "^.*group [0-9a-f]*: measuring again" "$log" || true)
 python - "$results" "$again" <<'EOF' || { tail -n 40 "$log" >&2; fail "the rows of the Slurm sweep"; }
 import sys
 from pathlib import Path

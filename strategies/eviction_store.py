@@ -56,7 +56,7 @@ class FullWidthSlots:
 
 
 class QuantizedSlots:
-    """K and V quantized per token (QuantSpec on the token axis, no residual window: a slot is freed
+    """K and V quantized per token (QuantSpec on the token axis, no residual: a slot is freed
     one token at a time, which block-scaled keys cannot follow); a read dequantizes the filled slots."""
 
     def __init__(self, batch: int, n_kv: int, slots: int, head_dim: int, device, dtype, spec: QuantSpec):

@@ -112,7 +112,7 @@ def dequantize_per_channel(payload: torch.Tensor, scales: torch.Tensor, fmt: str
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one cache stores K and V: format, int4 group, key scale axis, residual window length."""
+    """How one cache stores K and V: format, int4 group, key scale axis, residual length."""
 
     format: str = "int8"
     group_size: int = 32  # channels per scale (int4, token axis)

@@ -38,9 +38,9 @@ def refused(folder, **changes) -> str:
 
 # A new user's bad inputs: each was a traceback (or a silent wrong load) before the schema.
 @pytest.mark.parametrize("field,value,says", [
-    ("num_hidden_layers", math.nan, "num_hidden_layers must be a JSON integer from 1 to 10,000, got nan"),
-    ("num_hidden_layers", math.inf, "num_hidden_layers must be a JSON integer from 1 to 10,000, got inf"),
-    ("num_hidden_layers", 10**12, "num_hidden_layers must be a JSON integer from 1 to 10,000"),  # would build 9e12 names
+    ("num_hidden_layers", math.nan, "num_hidden_layers must be an integer from 1 to 10,000, got nan"),
+    ("num_hidden_layers", math.inf, "num_hidden_layers must be an integer from 1 to 10,000, got inf"),
+    ("num_hidden_layers", 10**12, "num_hidden_layers must be an integer from 1 to 10,000"),  # would build 9e12 names
     ("architectures", 7, "architectures must be a non-empty list of strings, got 7"),
     ("architectures", [["LlamaForCausalLM"]], "architectures must be a non-empty list of strings"),
     ("architectures", [], "architectures must be a non-empty list of strings"),
@@ -55,16 +55,16 @@ def refused(folder, **changes) -> str:
     ("quantization_config", "bitsandbytes", "quantization_config must be a JSON object, got 'bitsandbytes'"),
     ("quantization_config", {"quant_method": "gptq"}, "describes a quantized checkpoint ('gptq')"),
     ("quantization_config", {}, "describes a quantized checkpoint"),
-    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false (a JSON bool), got 'false'"),
-    ("tie_word_embeddings", 0, "tie_word_embeddings must be true or false (a JSON bool), got 0"),
-    ("vocab_size", 512.0, "vocab_size must be a JSON integer from 1 to 2,147,483,647, got 512.0"),
-    ("vocab_size", True, "vocab_size must be a JSON integer"),
-    ("hidden_size", None, "hidden_size is missing: it must be a JSON integer from 1 to 2,147,483,647"),  # null: absent
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false (a bool), got 'false'"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings must be true or false (a bool), got 0"),
+    ("vocab_size", 512.0, "vocab_size must be an integer from 1 to 2,147,483,647, got 512.0"),
+    ("vocab_size", True, "vocab_size must be an integer"),
+    ("hidden_size", None, "hidden_size is missing: it must be an integer from 1 to 2,147,483,647"),  # null: absent
     ("rms_norm_eps", -1e-6, "rms_norm_eps must be a finite number above 0, at most 1"),
     ("rope_theta", math.inf, "rope_theta must be a finite number above 0, got inf"),
     ("hidden_act", "gelu", "hidden_act must be silu, got 'gelu'"),
     ("mlp_bias", True, "mlp_bias must be false, got true"),
-    ("sliding_window", -4, "sliding_window must be a JSON integer from 1"),
+    ("sliding_window", -4, "sliding_window must be an integer from 1"),
     ("num_key_value_heads", 3, "num_attention_heads 2 over num_key_value_heads 3"),
     ("model_type", "gpt2", "allowed: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
 ])
@@ -180,7 +180,7 @@ def test_the_plan_refuses_a_bad_field_on_model_checkpoint(folder):
     with pytest.raises(Exception) as error:
         plan(["device=cpu", "model=tiny", f"model.checkpoint={folder}", "ctx=8"], cuda_available=NO_CUDA)
     assert type(error.value).__name__ == "ConfigError"
-    assert str(error.value).startswith("model.checkpoint: ") and "num_hidden_layers must be a JSON integer" in str(error.value)
+    assert str(error.value).startswith("model.checkpoint: ") and "num_hidden_layers must be an integer" in str(error.value)
 
 
 def test_the_cli_refuses_a_bad_field_in_one_line_and_writes_nothing(folder, tmp_path):
@@ -199,7 +199,7 @@ GGUF_KEYS = {"num_hidden_layers": "llama.block_count", "hidden_size": "llama.emb
 def test_another_format_maps_its_keys_onto_the_fields_and_names_its_own_in_messages():
     metadata = {**CONFIG, "num_hidden_layers": 2.0}  # a GGUF reader's values under config.json's names
     where = lambda field: f"'model.gguf': {GGUF_KEYS.get(field, field)}"  # noqa: E731
-    with pytest.raises(CheckpointError, match=r"^'model.gguf': llama.block_count must be a JSON integer"):
+    with pytest.raises(CheckpointError, match=r"^'model.gguf': llama.block_count must be an integer"):
         config_shape(metadata, where, "model", "model.gguf")
     shape, window = config_shape({**metadata, "num_hidden_layers": 2}, where, "model", "model.gguf")
     assert isinstance(shape, ModelConfig) and shape.n_layers == 2 and window is None

@@ -126,7 +126,7 @@ def test_local_launcher_runs_each_group_once_one_at_a_time(results_dir):
     assert frame.groupby("batch").group_id.nunique().eq(1).all()  # each batch's two points timed together
     sweep = sweep_folder(results_dir)
     # one job per group, plus one per group whose window was slow beside the others (measured again)
-    jobs = 3 + len(re.findall(r"group [0-9a-f]+: measured again", result.stdout + result.stderr))
+    jobs = 3 + len(re.findall(r"group [0-9a-f]+: measuring again", result.stdout + result.stderr))
     assert sorted((p.name for p in sweep.iterdir() if p.name.isdigit()), key=int) == [str(i) for i in range(jobs)]
     spans = job_spans(sweep)
     assert len(spans) == jobs  # one submitit job per group (none idle), each logged under the sweep's folder

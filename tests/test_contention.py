@@ -19,9 +19,11 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, noise_reasons, others_fraction
+from harness.measure.contention import CONTENTION_LIMIT, SPREAD_LIMIT, CpuTimes, noise_reasons, others_fraction
+from harness.measure.timing import StepStats
 from harness.run import calibrate
 from harness.run.closing import closing_line
+from harness.run.row import noise_columns
 from harness.store.calibration import parse, save
 from tests.conftest import SHARED_SWEEP_POINTS
 from tests.hardening_helpers import FAST, cli, fake_calibration, seeded
@@ -45,6 +47,27 @@ def test_a_quiet_machines_short_steps_are_not_flagged_for_spread_and_a_loaded_on
     loaded = noise_reasons(0.45, 0.18e-3, 7.5e-3, {})
     assert len(loaded) == 2 and "took 45% of the CPUs" in loaded[0] and "spread from 0.18 to 7.5 ms" in loaded[1]
     assert "spread" in noise_reasons(0.0, 20e-3, 45e-3, {})[0]  # long steps: the ratio rule as before
+
+
+# 16 planted step times (ms): an idle EPYC's tiny-model point (p90 over 2x p10 by under a millisecond),
+# and the same steps with a busy neighbour's preemptions (a quarter of them several ms late).
+QUIET_STEPS_MS = [0.13, 0.14, 0.15, 0.16, 0.18, 0.2, 0.22, 0.25, 0.28, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.59]
+LOADED_STEPS_MS = QUIET_STEPS_MS[:12] + [3.1, 4.8, 6.2, 7.5]
+
+
+@pytest.mark.parametrize("steps_ms,contention,noisy", [
+    (QUIET_STEPS_MS, 0.02, False),  # the quiet machine's clean point
+    (LOADED_STEPS_MS, 0.0, True),  # preempted steps flag it by spread alone, even where contention read nothing
+    (LOADED_STEPS_MS, 0.45, True),
+])
+def test_a_rows_noise_from_its_planted_step_times(steps_ms, contention, noisy):
+    """The whole path a row takes: step times to their deciles (StepStats) to noisy (row.noise_columns)."""
+    stats = StepStats.of([ms * 1e-3 for ms in steps_ms])
+    assert stats.p90 > SPREAD_LIMIT * stats.p10  # both spread past the ratio: only the floor tells them apart
+    row = {"status": "ok", "contention": contention, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
+           "bandwidth_fraction": 0.3, "flops_fraction": 0.01}
+    got = noise_columns(row)
+    assert got["noisy"] is noisy and (("spread from" in got["noise_reason"]) is noisy), got
 
 
 def _busy(count: int) -> list[subprocess.Popen]:

@@ -173,8 +173,8 @@ def test_a_missing_tensor(weights, tmp_path):
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"block_count": None}, "llama.block_count is missing: it must be a JSON integer"),
-    ({"embedding_length": "wide"}, "llama.embedding_length must be a JSON integer from 1 to 2,147,483,647, got 'wide'"),
+    ({"block_count": None}, "llama.block_count is missing: it must be an integer"),
+    ({"embedding_length": "wide"}, "llama.embedding_length must be an integer from 1 to 2,147,483,647, got 'wide'"),
     ({"attention.layer_norm_rms_epsilon": -1.0}, "layer_norm_rms_epsilon must be a finite number above 0"),
     ({"expert_count": 8}, "a mixture of experts"),
     ({"rope.scaling.type": "yarn"}, "RoPE scaling"),

@@ -45,6 +45,13 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     (["-m", "model=glob(*)"], "model"),  # the glob also matches model_schema
     (["calibration_budget_s=0"], "calibration_budget_s"),
     (["calibration_budget_s=nan"], "calibration_budget_s"),
+    (["+batchs=4"], "batchs"),  # a key added with `+` that no schema names: carried along unread before
+    (["+timing.warmup=2"], "timing.warmup"),  # a TypeError from TimingConfig's constructor before
+    (["strategy=quantized", "+accuracy.foo=2"], "accuracy.foo"),
+    (["+model.ROW_PREFIX=1"], "model.ROW_PREFIX"),  # a class attribute, not a field
+    (["+batch=4"], "batch"),  # a key the config has: Hydra's "Could not append to config" named no key first
+    (["+strategy.backend=c"], "strategy.backend"),
+    (["timing.warmup_max=null"], "timing.warmup_max"),  # "is not Optional" before: null where a value belongs
 ])
 def test_a_value_that_cannot_be_written_is_refused_by_the_plan(overrides, key):
     assert refusal(*overrides).startswith(f"{key}:")
@@ -91,6 +98,19 @@ def analytic(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.parametrize("override,says", [
+    ("+batch=4", "batch: is a key already: set it without '+'"),
+    ("batch=null", "batch: cannot be null: give it a value"),
+    ("timing.warmup_max=null", "timing.warmup_max: cannot be null: give it a value"),
+    ("+timing.warmup=2", "timing.warmup: is not a key; allowed in timing: cold_cache, cuda_graphs,"),
+])
+def test_hydras_composition_refusals_say_what_is_allowed(override, says):
+    assert refusal(override).startswith(says)
+    if "timing" not in override:  # the analytic CLI has no timing keys
+        code, _, err = analytic("model=llama3_8b", override)
+        assert code == 2 and err.strip() == says, err
+
+
 @pytest.mark.parametrize("args,key", [
     (["hardware.bandwidth_Bps=0"], "hardware.bandwidth_Bps"),  # was a ZeroDivisionError
     (["hardware.bandwidth_Bps=-1"], "hardware.bandwidth_Bps"),  # was a negative ridge, exit 0
@@ -102,6 +122,11 @@ def analytic(*args: str) -> tuple[int, str, str]:
     (["strategy=paged", "strategy.block_size=1e400"], "strategy.block_size"),
     (["strategy._target_=nosuch.Klass"], "strategy._target_"),
     (["results_dir=", "hardware=measured"], "results_dir"),
+    (["+foo=1"], "foo"),  # a key added with `+` that no schema names: carried along unread, exit 0, before
+    (["+model.foo=1"], "model.foo"),
+    (["+hardware.foo=1"], "hardware.foo"),
+    (["+batch=4"], "batch"),  # Hydra's "Could not append to config", which named no key first
+    (["batch=null"], "batch"),  # "field 'batch' is not Optional": said what is allowed
 ])
 def test_analytic_cli_refuses_in_one_line(args, key):
     code, out, err = analytic(*args)
@@ -122,8 +147,11 @@ def test_output_folder_refuses_empty_file_under_file(tmp_path):
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    os.mkfifo(tmp_path / "pipe")
     for value, expected in [("", "is empty"), ("  ", "is empty"), (str(a_file), "is a file"),
-                            (str(a_file / "below"), "under the file")]:
+                            (str(a_file / "below"), "under '.*', a file"), ("/dev/null", "is a character device"),
+                            ("/dev/null/x", "under '/dev/null', a character device"),
+                            (str(tmp_path / "pipe"), "is a FIFO")]:  # each said as what it is, not "a file"
         with pytest.raises(ConfigError, match=expected):
             output_folder("results_dir", value)
     assert output_folder("results_dir", str(tmp_path / "new" / "deeper")) == tmp_path / "new" / "deeper"
@@ -190,7 +218,8 @@ def test_hydras_run_folder_is_unique_per_process():
 
 # The CLI's own main() (in process: tests/conftest.py, refused_by_runner), from a fresh working directory.
 @pytest.mark.parametrize("args", [["results_dir="], ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"],
-                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"]])
+                                  ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"],
+                                  ["+timing.warmup=2"]])
 def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args):
     before = set(os.listdir("/"))
     monkeypatch.chdir(tmp_path)

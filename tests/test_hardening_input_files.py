@@ -134,8 +134,15 @@ def test_an_accuracy_pass_memory_cannot_hold_is_refused_by_the_plan(eight_gib, o
     assert message.startswith(f"{key}:") and "GiB of memory is free" in message, message
 
 
-def test_accuracy_steps_beyond_the_tokens_scored_are_not_run():
-    point = planned_point("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2", "accuracy.steps=20000",
+@pytest.mark.parametrize("steps,tokens", [(20000, 8), (65, 64), (64, 1)])
+def test_accuracy_steps_beyond_the_tokens_scored_are_refused(steps, tokens):
+    message = refused_quickly("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2",
+                              f"accuracy.steps={steps}", f"accuracy.tokens={tokens}")
+    assert message == f"accuracy.steps: must be at most accuracy.tokens={tokens:,} (the tokens scored), got {steps:,}"
+
+
+def test_accuracy_steps_equal_to_the_tokens_scored_run_as_asked():
+    point = planned_point("model=tiny", "strategy=quantized", "ctx=8", "decode_tokens=2", "accuracy.steps=8",
                           "accuracy.tokens=8")
     assert (point.accuracy.steps, point.accuracy.tokens) == (8, 8)
 
@@ -170,6 +177,9 @@ NAMES = {  # name -> (overrides given tmp_path, the key, what the line says, wha
     "a FIFO as a checkpoint": (lambda tmp: [f"model.checkpoint={fifo(tmp)}"], "model.checkpoint", "FIFO", "a folder,"),
     "ragged JSON rows": (lambda tmp: [ragged(tmp)], "prompt", "rows of 2 to 3 ids", "not JSON"),
     "JSON of ids and rows": (lambda tmp: [mixed(tmp)], "prompt", "must hold integer token ids", "not JSON"),
+    "an empty prompt": (lambda tmp: ["prompt="], "prompt", "is empty: name a file", "a folder"),
+    "an empty checkpoint": (lambda tmp: ["model.checkpoint= "], "model.checkpoint", "GGUF file", "name a folder"),
+    "results_dir=/dev/null": (lambda tmp: ["results_dir=/dev/null"], "results_dir", "character device", "a file"),
     "a 100 KB model.name": (lambda tmp: [f"model.name={'x' * 100_000}/"], "model.name", "...", "x" * 2000),
 }
 
@@ -185,7 +195,8 @@ def test_a_gguf_type_error_says_the_type_not_a_range(tmp_path):
     path = write_gguf(tmp_path / "typed.gguf", random_weights(len(byte_level_vocab()[0])),
                       metadata={"block_count": "2", "attention.head_count": 2.0})
     message = refused_quickly(f"model.checkpoint={path}")
-    assert "llama.block_count must be a JSON integer" in message and "got '2' (a string)" in message, message
+    assert "llama.block_count must be an integer" in message and "got '2' (a string)" in message, message
+    assert "JSON" not in message, message  # a GGUF field's message names no format the file is not in
 
 
 def test_a_flag_after_an_override_is_taken_as_hydra_takes_flags_first():

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from harness.measure.group import GroupRequest, measure_group
-from harness.measure.contention import noise_reasons
-from harness.measure.intervals import paired_ratio
 from harness.model import build_model
 from harness.model.checkpoint import read_checkpoint
 from tests.conftest import planned_point
 from tests.gguf_files import CONFIG, Q, byte_level_vocab, random_weights, write_gguf
+from tests.peer_checks import aa_pair_ratio
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp_py_sync") is None,
                                 reason="the llama.cpp wheel is not installed: pip install -e '.[peers]'")
@@ -97,14 +96,8 @@ def test_a_batch_beyond_the_engines_sequences_is_a_skipped_row(model_file):
 def test_an_aa_pair_of_one_llamacpp_member_reads_one(model_file):
     """Two identical llama.cpp members in one group: if its threads spun while the other ran, the
     second of each pair would pay for it; the ratio's interval holds 1."""
-    point = point_of(model_file, "llamacpp_f16", "decode_tokens=32")
-    first, second, _ = measure_group(GroupRequest("aa", (point, point, point_of(model_file, "contiguous"))))
-    noise = ["; ".join(reasons) for row in (first, second)
-             if (reasons := noise_reasons(row["contention"], row["decode_step_p10_s"], row["decode_step_p90_s"], {}))]
-    if noise:  # a busy machine moves either member by more than a spinning pool would: no verdict
-        pytest.skip(f"the machine was busy while the pair ran: {'; '.join(noise)}")
-    ratio = paired_ratio(second["decode_step_times_s"], first["decode_step_times_s"])
     # A spinning pool makes the second of every pair pay, round after round: an interval clear of 1 by
     # more than a few percent. Sub-millisecond steps of a tiny model spread widely, so the test holds
     # to the interval (CI saw a median of 0.73 in [0.49, 1.09] for a sound pair).
+    ratio = aa_pair_ratio(point_of(model_file, "llamacpp_f16", "decode_tokens=32"), point_of(model_file, "contiguous"))
     assert ratio.low < 1.0 < ratio.high or 0.9 < ratio.median < 1.1, ratio

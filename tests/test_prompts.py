@@ -52,7 +52,8 @@ def test_rows_give_one_window_each(tmp_path):
 
 
 def test_ragged_or_fractional_ids_are_refused(tmp_path):
-    for name, content in [("ragged.json", [[1, 2], [3]]), ("floats.json", [1.5, 2.0]), ("empty.json", [])]:
+    for name, content in [("ragged.json", [[1, 2], [3]]), ("floats.json", [1.5, 2.0]), ("empty.json", []),
+                          ("bools.json", [True, 2, 3]), ("bool_rows.json", [[2, 3], [2, False]])]:  # NumPy: 1 and 0
         (tmp_path / name).write_text(json.dumps(content))
         with pytest.raises(PromptError, match=name):
             read_tokens(tmp_path / name, None)
@@ -161,7 +162,7 @@ def test_a_prompt_file_changed_after_planning_is_refused_in_the_point(checkpoint
     path = tmp_path / "ids.json"
     path.write_text(json.dumps(list(range(50))))
     point = planned_point(f"model.checkpoint={folder}", f"prompt={path}", "strategy=quantized", "ctx=8",
-                          "decode_tokens=2", "accuracy.tokens=16")
+                          "decode_tokens=2", "accuracy.tokens=16", "accuracy.steps=8")
     path.write_text(json.dumps(list(range(1, 51))))
     model = build_model(point.model, torch.device("cpu"), torch.float32, point.seed, point.matmul, point.batch)
     with pytest.raises(PromptError, match="changed since the sweep was planned"):

@@ -11,6 +11,8 @@ import pytest
 from harness.store.calibration import host_slug
 
 from harness.report.__main__ import main as report_main
+from harness.report import tables
+from harness.report import units as fmt
 from harness.report.assemble import build_report
 from harness.analysis.results import load
 from tests.report_fixtures import SLOWDOWN, write_results
@@ -51,7 +53,7 @@ def test_report_writes_markdown_html_and_plots(report):
     folder, files = report
     assert files.markdown == folder / "_report" / "report.md" and files.markdown.is_file()
     assert files.html == folder / "_report" / "index.html" and files.html.is_file()
-    assert len(files.figures) == 6  # step time, no cache / cache, cache bytes, prefill / decode, peak memory, equal b x t
+    assert len(files.figures) == 7  # step time, step ratio, no cache / cache, cache bytes, prefill / decode, peak memory, equal b x t
     assert files.csv.is_file() and files.csv.read_text().startswith("series,strategy,model,")
     for png in files.figures:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -205,3 +207,24 @@ def test_fewer_bytes_sets_each_narrow_cache_point_beside_the_plain_cache(tmp_pat
     assert "Not recorded in these rows" in text and "`logit_kl_p99`" in text  # an older schema says what it lacks
     (plot,) = (tmp_path / "report").glob("bytes_vs_kl_*.png")
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_table_names_each_column_once_and_rows_csv_renders_the_rows_tables_model(report):
+    """One table model (tables.ROW_COLUMNS) renders the rows table and rows.csv: the same rows in the same
+    order, rows.csv holding each column's sources as numbers; no table heads two columns alike."""
+    folder, files = report
+    lines = files.markdown.read_text().splitlines()
+    headers = [line for line, below in zip(lines, lines[1:]) if line.startswith("| ") and below.startswith("|:") or
+               line.startswith("| ") and below.startswith("|-")]
+    assert len(headers) >= 5
+    for header in headers:
+        cells = [cell.strip() for cell in header.strip("|").split(" | ")]
+        assert len(set(cells)) == len(cells) and "ratio" not in cells, header
+    csv = pd.read_csv(files.csv)
+    expected = [s for column in tables.ROW_COLUMNS for s in column.sources] + list(tables.ROW_IDENTITY)
+    assert list(csv.columns) == [c for c in dict.fromkeys(expected) if c in csv.columns]
+    table = load(folder)
+    shown = tables.rows_table(table)
+    assert len(csv) == len(shown.rows) == int((table["status"] == "ok").sum())
+    steps = shown.header.index("step measured")
+    assert [row[steps] for row in shown.rows] == [fmt.seconds(v) for v in csv["decode_step_s"]]

@@ -136,7 +136,7 @@ CASES = {  # case -> a line its report must hold (beyond every section's heading
     reference_only: "No point here ran two caches",
     no_reference: "Needs `no_cache` and a cached strategy at the same batch and context",
     nothing_ran: "No ok row with a decode time",
-    all_noisy: "noisy row(s) left out",
+    all_noisy: "**Kept**, marked `noisy`",
     no_calibration: "stand-in",
     older_schema: "Every row beside its prediction",
     duplicated: "Every row beside its prediction",

@@ -3,6 +3,8 @@ CPU and linear-kernel name, an axis's tick labels, a legend) and no legend drawn
 or bar. Each figure is inspected right after its savefig, when it is laid out exactly as written."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -82,7 +84,8 @@ def saved_figures(tmp_path_factory):
         fig.set_dpi(kwargs.get("dpi", fig.dpi))  # laid out as savefig will lay it out: at the file's resolution
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
-        found[str(path).rsplit("/", 1)[-1]] = ([f"cut: {c}" for c in cut_texts(fig, renderer)]
+        name = str(getattr(path, "name", path)).rsplit("/", 1)[-1]  # a file handle: harness.files.write_whole's
+        found[re.sub(r"^\.(.*)\.tmp-\d+$", r"\1", name)] = ([f"cut: {c}" for c in cut_texts(fig, renderer)]
                                               + [f"under a legend: {c}" for c in covered_data(fig, renderer)])
         real_savefig(fig, path, *args, **kwargs)
 
@@ -105,7 +108,7 @@ def saved_figures(tmp_path_factory):
     return found
 
 
-PLOTS = ("step_time", "step_time_layouts", "no_cache_over_cache", "cache_bytes", "prefill_vs_decode",
+PLOTS = ("step_time", "step_time_layouts", "step_ratio", "no_cache_over_cache", "cache_bytes", "prefill_vs_decode",
          "equal_batch_tokens", "peak_memory", "bytes_vs_kl", "compare_baseline")
 
 

@@ -153,17 +153,12 @@ def test_reading_many_one_row_files_is_not_a_pandas_read_per_file(tmp_path):
 
 
 def test_a_run_whose_rows_were_all_noisy_does_not_say_nothing_was_timed_together(tmp_path):
+    """Members timed in one group's rounds, every row flagged noisy: their paired ratios are kept, marked
+    (tests/test_report_noisy.py checks each place they appear)."""
     from harness.report.assemble import build_report
-    folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64, 256), row_roofs=True)
-    for path in folder.glob("*.parquet"):
-        frame = pq.read_table(path).to_pandas()
-        frame["noisy"], frame["noise_reason"] = True, "other processes took 76% of the CPUs"
-        pq.write_table(pa_table(frame), path)
+    from tests.report_fixtures import write_variant_results
+    folder = write_variant_results(tmp_path / "r", batches=(1,), contexts=(256,), noisy=lambda *point: True)
     text = Path(build_report(folder).markdown).read_text()
     assert "No two strategies were timed in the same rounds here" not in text
-    assert "noisy row(s) are left out" in text
+    assert "ratio(s) draw on noisy rows" in text and "**Kept**, marked `noisy`" in text
 
-
-def pa_table(frame):
-    import pyarrow as pa
-    return pa.Table.from_pandas(frame, preserve_index=False)

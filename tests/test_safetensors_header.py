@@ -56,15 +56,15 @@ def shifted(header: dict, by: int) -> None:
 
 
 @pytest.mark.parametrize("edit,says", [
-    (lambda h: entry(h, data_offsets=[0]), "data_offsets must be a list of 2 JSON integers"),
-    (lambda h: entry(h, data_offsets=["0", "2048"]), "data_offsets must be a list of 2 JSON integers"),
-    (lambda h: entry(h, data_offsets=None), "data_offsets is missing: it must be a list of 2 JSON integers"),
-    (lambda h: entry(h, data_offsets=[0, 2048.0]), "data_offsets must be a list of 2 JSON integers"),
-    (lambda h: entry(h, data_offsets=[-8, 2040]), "data_offsets must be a list of 2 JSON integers, each from 0"),
+    (lambda h: entry(h, data_offsets=[0]), "data_offsets must be a list of 2 integers"),
+    (lambda h: entry(h, data_offsets=["0", "2048"]), "data_offsets must be a list of 2 integers"),
+    (lambda h: entry(h, data_offsets=None), "data_offsets is missing: it must be a list of 2 integers"),
+    (lambda h: entry(h, data_offsets=[0, 2048.0]), "data_offsets must be a list of 2 integers"),
+    (lambda h: entry(h, data_offsets=[-8, 2040]), "data_offsets must be a list of 2 integers, each from 0"),
     (lambda h: entry(h, data_offsets=[2048, 0]), "hold -2,048 bytes"),
     (lambda h: entry(h, shape=[32, 8]), "shape [32, 8] of F32 needs 1,024"),
-    (lambda h: entry(h, shape=[32.0, 16]), "shape must be a list of JSON integers"),
-    (lambda h: entry(h, shape="32x16"), "shape must be a list of JSON integers"),
+    (lambda h: entry(h, shape=[32.0, 16]), "shape must be a list of integers"),
+    (lambda h: entry(h, shape="32x16"), "shape must be a list of integers"),
     (lambda h: entry(h, dtype=32), "dtype must be one of: BOOL, U8"),
     (lambda h: entry(h, dtype="F33"), "dtype must be one of: BOOL, U8"),
     (lambda h: entry(h, dtype="I8", shape=[32, 64]), "is I8, a quantized or integer checkpoint"),

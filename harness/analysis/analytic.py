@@ -77,7 +77,7 @@ def kv_cache_used_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layou
 
 def kv_bytes_per_token_held(shape: Shape, dtype: str, tokens: int, layout: CacheLayout = CONTIGUOUS) -> float:
     """Cache bytes per token of a sequence holding `tokens` tokens: kv_cache_used_bytes spread over them,
-    so a quantized layout's full-width window of recent tokens counts (it weighs most at short
+    so a quantized layout's full-width residual of recent tokens counts (it weighs most at short
     contexts), while whole blocks and preallocated positions, which say how a cache allocates and not
     what it stores, do not."""
     return kv_cache_used_bytes(shape, dtype, 1, tokens, layout) / tokens
@@ -295,7 +295,7 @@ def _budget_pieces(prompt: int, steps: int, layout: Layout) -> list[tuple[int, i
 
 def _step_bytes_line(shape: Shape, dtype: str, batch: int, prompt: int, steps: int, layout: Layout) -> tuple[float, float]:
     """(bytes of the first step, growth per step): a step's bytes are linear in its context, except
-    for a quantized layout's residual window, whose full-width tokens rise and fall as blocks fill;
+    for a quantized layout's residual, whose full-width tokens rise and fall as blocks fill;
     that sawtooth enters as its exact mean over the steps (so a time sum is exact unless the steps
     cross the ridge within one window cycle)."""
     max_len = prompt + steps

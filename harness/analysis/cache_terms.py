@@ -2,7 +2,7 @@
 
 A layout (harness.config.CacheLayout, declared by each strategy) says how K/V are stored: in whole
 blocks (paged), over a preallocated max_len that every step reads (static_full), copied into a new
-table every step (dynamic), at fewer bits with scales and a full-width window of recent tokens
+table every step (dynamic), at fewer bits with scales and a full-width residual of recent tokens
 (quantized), for at most a budget of tokens per sequence (eviction), for fewer layers (cross-layer
 sharing) or fewer key channels (key pruning). `None` is no cache at all. The analytic model
 (harness.analysis.analytic) adds these terms to a step's bytes and FLOPs; nothing else special-cases a
@@ -99,7 +99,7 @@ def scoring_flops_per_key(shape: Shape, layout: Optional[CacheLayout]) -> int:
 
 
 def window_tokens(layout: CacheLayout, tokens: int) -> int:
-    """Tokens of a sequence of `tokens` held at full width in the residual window (quantized)."""
+    """Tokens of a sequence of `tokens` held at full width in the residual (quantized)."""
     return tokens % layout.residual_tokens if layout.residual_tokens else 0
 
 
@@ -118,7 +118,7 @@ def allocated_tokens(layout: CacheLayout, tokens: int) -> int:
 
 def cache_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layout: Optional[CacheLayout]) -> float:
     """Bytes a cache of `batch` sequences of `tokens` tokens holds: allocated slots at the stored width,
-    plus the residual window buffer at full width (allocated whole, whatever its fill)."""
+    plus the residual buffer at full width (allocated whole, whatever its fill)."""
     if layout is None:
         return 0
     stored = batch * allocated_tokens(layout, kept_tokens(layout, tokens)) * stored_bytes_per_token(shape, dtype, layout)

@@ -35,8 +35,8 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import (bounded_tree, first_line, interpolations_resolve, one_of, positive_float, safe_name,
-                                     target_class, validate_workload)
+from harness.config.validate import (bounded_tree, composition_refusal, first_line, interpolations_resolve, known_keys,
+                                     one_of, positive_float, safe_name, target_class, validate_workload)
 
 CONF_DIR = config_dir()
 FORMATS = ("table", "json")
@@ -114,6 +114,9 @@ def _one_line(error: Exception) -> str:
         key = unknown.group(1)
         parent, _, _ = key.rpartition(".")
         return f"{key}: unknown key, allowed: {', '.join(_fields(parent))}"
+    said = composition_refusal(first) or (error.__cause__ and composition_refusal(first_line(error.__cause__, typed=False)))
+    if said:
+        return str(said)
     merging = re.match(r"Error merging override ([^=]+)=(.*)", first)
     if merging and error.__cause__ is not None:
         cause = first_line(error.__cause__, typed=False)
@@ -141,6 +144,7 @@ def cache_layout(strategy, shape):
 def workload(cfg) -> tuple[ModelConfig, Roof, str, object]:
     """Check what a type cannot express (the runner's own checks), resolve the roof and the layout."""
     try:
+        known_keys(cfg, AnalyticConfig)  # a key added with `+` would be carried along unread
         validate_workload(cfg)
         one_of("format", cfg.format, FORMATS)
         safe_name("hardware.name", cfg.hardware.name)

@@ -151,6 +151,12 @@ def layout_of(row) -> CacheLayout | None:
     return CacheLayout(**values)
 
 
+# What a prediction depends on beside the roof: the shape, the point and the cache layout's columns.
+PREDICTION_INPUTS = ("model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
+                     "dtype", "batch", "ctx", "decode_tokens", "caches_kv",
+                     *(f"{CacheLayout.ROW_PREFIX}{field.name}" for field in dataclasses.fields(CacheLayout)))
+
+
 def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FALLBACK_HARDWARE,
                     datasheet: str | None = None) -> pd.DataFrame:
     """The loader's one re-prediction step: rows with roof_*_used, roof_source and roof_description, and
@@ -167,6 +173,7 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
     names = rows["device_name"].where(rows["device_name"].fillna("") != "", rows["device"]).astype(str)
     rows["roof_description"] = ("measured: calibrated roofs recorded in the rows (" + names + ")").where(recorded)
     roofs: dict = {}  # a row's roof depends on these alone: found once per kind of row
+    figures_of: dict = {}  # (kind, PREDICTION_INPUTS) -> its prediction
     predicted, failed = {}, {}
     for index in rows.index[~recorded]:
         row = rows.loc[index]
@@ -179,8 +186,11 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
                                        f"datasheet {datasheet}, asked for") if datasheet else
                                roof_for_row(row, folder, fallback))
             row_roof = roofs[kind]
-            figures = predict(shape_of(row), str(row["dtype"]), int(row["batch"]), int(row["ctx"]),
-                              int(row["decode_tokens"]), layout_of(row), row_roof.roof)
+            point = (kind, *(None if not _present(row[c]) else row[c] for c in PREDICTION_INPUTS))
+            if point not in figures_of:  # repeats and copies of one point are predicted once
+                figures_of[point] = predict(shape_of(row), str(row["dtype"]), int(row["batch"]), int(row["ctx"]),
+                                            int(row["decode_tokens"]), layout_of(row), row_roof.roof)
+            figures = figures_of[point]
         except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
             failed[index] = {"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"}
             continue

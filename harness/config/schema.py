@@ -12,8 +12,8 @@ folder on Hydra's search path) brings its options without an edit to this file.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Optional
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, Optional, get_type_hints
 
 from harness.config.keys import OPTIONAL_IN_KEY
 
@@ -94,7 +94,7 @@ class AccuracyConfig:
 
     tokens: int = 1024  # tokens scored per point, whatever decode_tokens is: windows x steps
     # decode steps per window, each scoring one token; windows' scored tokens never overlap (their prompts may);
-    # a point takes at most `tokens` of them (harness.run.resolve): a step past the tokens scored would score nothing
+    # at most `tokens` (harness.config.validate): a step past the tokens scored would score nothing
     steps: int = 64
     batch: int = 16  # windows run together as one batch (a chunk); bounds the pass's memory
 
@@ -134,6 +134,26 @@ class RunConfig:
     interleave: str = "shape"
     repeats: int = 1  # measure every group this many times, in shuffled order (rows keyed by `repeat`)
     search: str = "none"  # none | max_batch: find the largest batch that runs within memory_limit_bytes by bisection (+sweep=capacity)
+
+
+def unknown_key(tree, schema=RunConfig, prefix: str = "", skip: tuple[str, ...] = ("hydra",)):
+    """The first key of a composed config (a mapping) that no field of `schema` names, as (dotted key,
+    the names allowed there); None when every key is a field. Fields typed by a schema are looked into;
+    `strategy` (Any) is its class's to check. A key added with `+` (`+batchs=4`, `+timing.warmup=2`)
+    would otherwise be carried along unread, or fail later as a TypeError in the schema's constructor."""
+    hints = get_type_hints(schema)
+    types = {f.name: hints[f.name] for f in fields(schema)}  # fields only: a ClassVar is no key
+    for key in tree.keys():
+        name = f"{prefix}{key}"
+        if name in skip:
+            continue
+        if key not in types:
+            return name, sorted(types)
+        if is_dataclass(types[key]) and hasattr(tree[key], "keys"):
+            found = unknown_key(tree[key], types[key], f"{name}.", skip)
+            if found:
+                return found
+    return None
 
 
 def register_schemas() -> None:

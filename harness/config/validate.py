@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.config.schema import RunConfig, unknown_key
 from harness.config.texts import is_builtin_text
 from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
 
@@ -31,7 +32,7 @@ SEARCHES = ("none", "max_batch")  # harness.run.capacity_search
 ROPE_SCALINGS = ("llama3", "linear")  # model.rope_scaling besides null (harness.model.decoder)
 INTERLEAVE_MODES = ("shape", "none")  # harness.run.grouping
 REPEATS_MAX = 100  # repeats= of a sweep: each one measures every group again
-ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens, .steps: each scored token is a decode step of two models
+ACCURACY_TOKENS_MAX = 1_000_000  # accuracy.tokens (.steps at most them): each scored token is a decode step of two models
 POSITIVE_RUN_KEYS = ("batch", "ctx", "decode_tokens")
 POSITIVE_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
 INT64_MAX = 2**63 - 1  # Parquet columns are int64: a larger integer cannot be written to a row
@@ -142,12 +143,13 @@ def first_line(error: BaseException, typed: bool = True) -> str:
     return f"{type(error).__name__}: {line}" if typed else line
 
 
-def _path_text(key: str, value: Any) -> str:
+def _path_text(key: str, value: Any, names: str = "a folder") -> str:
+    """`value` as a path's text; `names`: what the key names, as its refusal says it."""
     text = "" if value is None else str(value)
     if not text.strip():
-        raise ConfigError(key, "is empty: name a folder (absolute, or relative to the working directory)")
+        raise ConfigError(key, f"is empty: name {names} (absolute, or relative to the working directory)")
     if "\0" in text:
-        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name a folder")
+        raise ConfigError(key, f"{text!r} contains a NUL character and cannot name {names}")
     return text
 
 
@@ -162,7 +164,7 @@ def input_file(key: str, value: Any) -> Path:
 
 
 def _existing(key: str, value: Any, folder: bool) -> Path:
-    text = _path_text(key, value)
+    text = _path_text(key, value, "a folder" if folder else "a file")
     try:
         path = expanded(text)
         found = path.is_dir() if folder else path.is_file()
@@ -180,7 +182,7 @@ def checkpoint_path(key: str, value: Any) -> Path:
     as `pkg:PACKAGE/FILE` (harness.config.paths.checkpoint_location). Its contents are
     harness.model.checkpoint's to check."""
     try:
-        path = checkpoint_location(_path_text(key, value))
+        path = checkpoint_location(_path_text(key, value, "a checkpoint folder or GGUF file"))
         kind = kind_of(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
@@ -199,14 +201,14 @@ def output_folder(key: str, value: Any) -> Path:
     absolute = Path(os.path.abspath(path))
     try:
         if absolute.exists() and not absolute.is_dir():
-            raise ConfigError(key, f"'{path}' is a file, not a folder")
+            raise ConfigError(key, f"'{path}' is {kind_of(absolute)}, not a folder")  # a device or FIFO said as such
         existing = absolute
         while not existing.exists():
             existing = existing.parent
     except OSError as error:
         raise ConfigError(key, f"cannot use '{path}': {error.strerror}") from None
     if not existing.is_dir():
-        raise ConfigError(key, f"'{path}' is under the file '{existing}', not a folder")
+        raise ConfigError(key, f"'{path}' is under '{existing}', {kind_of(existing)}, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "is read-only" if existing == absolute else f"cannot be created: '{existing}' is read-only"
         raise ConfigError(key, f"'{path}' {where}")
@@ -271,6 +273,9 @@ def validate_timing(timing) -> None:
 def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.tokens", accuracy.tokens, at_most=ACCURACY_TOKENS_MAX)
     positive_int("accuracy.steps", accuracy.steps, at_most=ACCURACY_TOKENS_MAX)
+    if accuracy.steps > accuracy.tokens:  # a window's steps past the tokens scored would score nothing: refused, not cut
+        raise ConfigError("accuracy.steps", f"must be at most accuracy.tokens={accuracy.tokens:,} (the tokens scored), "
+                                            f"got {accuracy.steps:,}")
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
 
 
@@ -318,12 +323,35 @@ def validate_workload(cfg) -> None:
     validate_model(cfg.model)
 
 
+def known_keys(cfg, schema=RunConfig) -> None:
+    """ConfigError naming the first key of a composed config that no field of `schema` names (one
+    added with `+`), with the keys allowed where it stands."""
+    unknown = unknown_key(cfg, schema)
+    if unknown:
+        key, allowed = unknown
+        parent = key.rpartition(".")[0]
+        raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
+
+
+def composition_refusal(message: str) -> Optional[ConfigError]:
+    """Hydra's and OmegaConf's refusals whose words name no fix, said on the key with what is allowed:
+    `+key=value` for a key the config has, null for a key that takes none."""
+    found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
+    if found:
+        return ConfigError(found.group(1), "is a key already: set it without '+'")
+    found = re.search(r"field '([^']+)' is not Optional", message)
+    if found:
+        return ConfigError(found.group(1), "cannot be null: give it a value")
+    return None
+
+
 def validate_run(cfg, cuda_available) -> None:
     """Raise ConfigError for the first bad value of a composed RunConfig (the strategy's own options
     are checked by its class, in harness.run.resolve).
 
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
+    known_keys(cfg)
     validate_workload(cfg)
     output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)

@@ -6,7 +6,8 @@ filesystem). A reader, or a process killed at any moment, sees the old file or t
 half of one; the temporary is removed whatever happens, and one left by a killed process starts with
 '.', which pyarrow's discovery and the harness's globs skip. Rows (harness.store.files), calibration
 records (harness.store.calibration), the kernels' stamps (harness.kernels.cache) and the report's
-files (harness.report.assemble) are all written by it.
+files (harness.report.assemble, its plots included) are all written by it; `write_through` is the same
+step for a library that opens its own file (the engines' GGUF copies, harness.model.gguf_writer).
 
 `exclusive(lock, doing)`: one lock with one waiting rule, for every place two processes must not do
 the same thing at once (calibrating one device, building one kernel library): an flock on `lock`
@@ -40,9 +41,7 @@ def temporary_of(path: Path) -> Path:
 def write_whole(path: str | Path, data: bytes | str | Callable) -> Path:
     """Write `data` (bytes, text, or a function given the open binary file) to `path` atomically:
     temporary, fsync, rename. OSError (a full disk, an unwritable folder) leaves no temporary behind."""
-    path = Path(path)
-    temporary = temporary_of(path)
-    try:
+    def write(temporary: Path) -> None:
         with open(temporary, "wb") as handle:
             if callable(data):
                 data(handle)
@@ -50,6 +49,17 @@ def write_whole(path: str | Path, data: bytes | str | Callable) -> Path:
                 handle.write(data.encode() if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
+
+    return write_through(path, write)
+
+
+def write_through(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(temporary)` makes the file at a hidden temporary beside `path` (a library that opens its own
+    file: a GGUF writer), which then replaces `path` atomically; the temporary is removed whatever happens."""
+    path = Path(path)
+    temporary = temporary_of(path)
+    try:
+        write(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

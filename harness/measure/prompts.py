@@ -158,6 +158,10 @@ def _json_ids(file: Path) -> np.ndarray:
     if rows is not None and len({len(row) for row in rows}) > 1:
         raise PromptError(f"'{file}' holds rows of {min(map(len, rows)):,} to {max(map(len, rows)):,} ids; rows of "
                           "token ids must be of equal length (one row per sequence)")
+    # JSON's true and false are no ids: NumPy would read a list mixing them with integers as 1 and 0
+    entries = (v for row in rows for v in row) if rows is not None else value if isinstance(value, list) else ()
+    if any(type(v) is bool for v in entries):
+        raise PromptError(f"'{file}' holds true or false where token ids belong: ids are integers")
     try:
         return np.asarray(value)
     except (ValueError, OverflowError) as error:  # rows of lists within lists, numbers beyond int64

@@ -79,12 +79,13 @@ class Field:
             one = choices if len(self.allowed) == 1 else f"one of: {choices}"
             return f"a list of strings, each {one}" if self.kind == "texts" else one
         bounds = f"from {self.low:,} to {self.high:,}"
-        return {"integer": f"a JSON integer {bounds}",
+        # words both sources share: a GGUF field is no JSON (only config.json has objects)
+        return {"integer": f"an integer {bounds}",
                 "number": f"a finite number above {self.low:g}" + (f", at most {self.high:g}" if math.isfinite(self.high) else ""),
-                "bool": "true or false (a JSON bool)",
+                "bool": "true or false (a bool)",
                 "text": "a string",
                 "texts": "a non-empty list of strings",
-                "integers": f"a list of{'' if self.length is None else f' {self.length:,}'} JSON integers, each {bounds}",
+                "integers": f"a list of{'' if self.length is None else f' {self.length:,}'} integers, each {bounds}",
                 "numbers": f"a list of{'' if self.length is None else f' {self.length:,}'} finite numbers",
                 "object": "a JSON object"}[self.kind]
 

@@ -17,12 +17,12 @@ A Hugging Face folder checkpoint is refused (CheckpointError): it has no GGUF me
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from harness.files import write_through
 from harness.kernels.extension import cache_dir
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
@@ -53,9 +53,8 @@ def float_gguf(checkpoint: str | Path, kind: str = "F32", folder: Path | None = 
     target = (folder or weights_dir()) / f"{source.shape.name}-{source.content_hash}-{kind}.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-        write_float_gguf(path, partial, kind)
-        os.replace(partial, target)  # atomic: a concurrent writer's identical file replaces it harmlessly
+        # atomic (harness.files): a concurrent writer's identical file replaces it harmlessly
+        write_through(target, lambda temporary: write_float_gguf(path, temporary, kind))
     return target
 
 

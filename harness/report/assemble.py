@@ -14,7 +14,7 @@ from harness.files import write_whole
 from harness.report import compare, guard, plots, tables
 from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
-from harness.report.cohorts import SERIES, Cohort, cohorts_of
+from harness.report.cohorts import SERIES, Cohort, cohorts_of, noisy_flags
 from harness.report.compression import HEADING as COMPRESSION_HEADING
 from harness.report.compression import compressed, compression_section
 from harness.report.engines import engine_section
@@ -30,6 +30,7 @@ from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
 REPORT_DIR = "_report"  # under results_dir: '_' so pandas.read_parquet(results_dir) skips it
 TITLE = "Decode strategies: measured against the analytic model"
+MAX_PLOTTED_COHORTS = 12  # cohorts given their own plots; a folder of more lists the rest by name
 
 
 class ReportError(ValueError):
@@ -62,7 +63,12 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
         (lambda: plots.step_time_vs_context(group, folder),
          "Decode step time against context. Dots: measured medians (bars: their 95% interval over rounds); lines: the roofline "
          "prediction per strategy. The gap between a dot and its line is what the roofline does not model.",
-         "No ok row with a decode time."),
+         "every row here is noisy: their times are not set against the roofline (their paired ratios are, below)"
+         if group.ok.empty and not group.timed.empty else "No ok row with a decode time."),
+        (lambda: plots.step_ratio_vs_context(group, folder),
+         "Each strategy's step time ÷ the reference cache's, paired over the rounds they were timed together in (bars: "
+         "95% interval). Hollow: a ratio drawing on a noisy row, kept because the members of a round share the load, "
+         "its interval wider.", "Needs a reference cache and another strategy timed at the same point."),
         (lambda: plots.no_cache_over_cache(group, folder),
          "No cache ÷ cache per decode step. Black: FLOP ratio; dashed: predicted (roofline) time ratio; "
          "dots: measured time ratio. The distance between the black line and the dots is the FLOP saving "
@@ -73,7 +79,7 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
          "red mark is where the cache outweighs them.", ""),
         (lambda: plots.prefill_vs_decode(group, folder),
          "Prefill reads the weights once for the whole prompt; decode reads them (and the cache) for every "
-         "token. Left: bytes per token (analytic); right: measured time per token.", ""),
+         "token. Left: bytes per token (analytic); right: measured time per token (hollow, dotted: a noisy row).", ""),
         (lambda: plots.peak_memory_split(group, folder, memory_split),
          "Each point's peak memory: the weights, the cache it allocated, and the rest (activations, the "
          "allocator's slack, runtime buffers).", "No row measured a peak."),
@@ -93,9 +99,11 @@ def _group_section(group: Cohort, folder: Path, sets: list) -> list[Block]:
     else:
         batches = sorted(group.ok["batch"].unique()) or [1]
         b = int(batches[0])
+        name = group.plain_cache_strategy_name()  # none: the run's default strategy, a cache
+        strategy = f"strategy={name} " if name else ""
         out.append(Paragraph(
             "No two rows of one cached strategy share batch × ctx here. A sweep with such pairs: "
-            f"`python -m harness.run -m {group.model_key} strategy={group.plain_cache_strategy_name() or '<a cached strategy>'} "
+            f"`python -m harness.run -m {group.model_key} {strategy}"
             f"batch={b},{4 * b} ctx=256,1024 device={group.device} dtype={group.dtype}` "
             f"({b} × 1024 = {4 * b} × 256)."))
     return out
@@ -138,17 +146,25 @@ def _summary(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
         "(`apart`: compared across runs, not round by round); what the plain cache saves against recomputing, "
         "in time and in FLOPs (far larger: a cached step waits on bytes); peak memory split."),
         summary_table(groups, verdicts)]
-    noisy = int(table["noisy"].fillna(False).astype(bool).sum())
-    blocks.append(resolution_paragraph(verdicts, noisy))
+    blocks.append(resolution_paragraph(verdicts))
+    noisy = int(noisy_flags(table[table["status"] == "ok"]).sum()) if "status" in table else 0
     if noisy:
-        blocks.append(Paragraph(
-            f"**{noisy} noisy row(s) left out** of this summary, the plots and every ratio: other processes "
-            "took the CPUs while they were timed, their steps spread too far, or they beat the roof (a roof "
-            "calibrated on a busy machine: re-run with `calibrate=true`). The full table names each reason."))
+        blocks.append(Paragraph(noisy_note(noisy)))
     if not groups:
         blocks.append(Paragraph("No row here ran and could be predicted, so there is no point to summarise: the "
                                 "rows and their reasons are listed at the end."))
     return blocks
+
+
+def noisy_note(count: int) -> str:
+    """What the report keeps of noisy rows and what it leaves out, and why."""
+    return (f"**{count} noisy row(s)**: other processes took the CPUs while they were timed, their steps spread too "
+            "far, or they beat the roof (a roof calibrated on a busy machine: re-run with `calibrate=true`); the full "
+            "table names each reason. **Kept**, marked `noisy`: their step ratios to the strategies timed in the same "
+            "rounds (a busy machine slows every member of a round alike, so the ratio holds, with a wider interval), "
+            "the step-ratio and prefill plots, and memory. **Left out**: what sets an absolute time against a roof or "
+            "fits a line through times (the step-time plot's points against the roofline, the share of the roof "
+            "reached, the unexplained share, the equal batch × tokens throughput, the growth fits).")
 
 
 def _roofs(table: pd.DataFrame, groups: list[Cohort]) -> list[Block]:
@@ -199,7 +215,12 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     if baseline is not None:
         sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder)))
     sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]))
-                 for g in groups]
+                 for g in groups[:MAX_PLOTTED_COHORTS]]
+    if len(groups) > MAX_PLOTTED_COHORTS:  # a folder of many models and machines: a bounded number of plots
+        sections.append(("Cohorts not drawn", lambda: [Heading("Cohorts not drawn"), Paragraph(
+            f"This folder holds {len(groups)} cohorts (model, machine, dtype, linear kernel); the "
+            f"{MAX_PLOTTED_COHORTS} with the most rows are drawn above, so that the report stays bounded. The others' "
+            "rows are in every table: " + ", ".join(f"{g.title}" for g in groups[MAX_PLOTTED_COHORTS:]) + ".")]))
     sections += [
         ("Roofs the predictions use", lambda: _roofs(table, groups)),
         ("Every row beside its prediction", lambda: _every_row(table)),

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from harness.analysis.curves import LINE_KEYS, AnalyticTables, analytic_tables
 from harness.analysis.results import SERIES
-from harness.config.paths import config_dir
+from harness.config.paths import LocationError, checkpoint_location, config_dir
 
 # The linear-layer kernel is a measurement condition like the dtype: aten, oneDNN and C rows of the same
 # point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
@@ -37,11 +39,13 @@ class Cohort:
     roof_description: str  # which calibration or datasheet, and why
     decode_tokens: int  # decode steps per point (the most common value)
     rows: pd.DataFrame  # every row of the group, whatever its status
-    ok: pd.DataFrame  # rows with status ok, a prediction, a usable step time and numbers to trust (not noisy)
+    ok: pd.DataFrame  # rows with status ok, a prediction, a usable step time, not noisy: what absolute times and fits use
     unusable: pd.DataFrame = field(default_factory=pd.DataFrame)  # status ok, but no finite step time above 0
     lines: pd.DataFrame = field(default_factory=pd.DataFrame)  # the analytic lines at this roof (curves.AnalyticTables.lines)
     held: pd.DataFrame = field(default_factory=pd.DataFrame)  # bytes per token held by each series (AnalyticTables.held)
     figures: dict = field(default_factory=dict)  # the shape's kv_bytes_per_token, weight_bytes, tokens_to_match_weights
+    timed: pd.DataFrame = field(default_factory=pd.DataFrame)  # `ok` and the noisy rows beside it (`noisy` a bool):
+    # what ratios between members timed together and memory use, which a busy machine does not break
 
     def line(self, series: str | None, batch: int, column: str) -> tuple[np.ndarray, np.ndarray]:
         """(contexts, the analytic `column` at each) of a series at a batch, along the context grid, which
@@ -77,12 +81,15 @@ class Cohort:
     @property
     def model_key(self) -> str:
         """The model as a command line names it: `model=<preset>` where the rows' model is a preset of
-        conf/model/, else `model.checkpoint=<the file or folder the rows read>` (a checkpoint's rows are
-        named after its file, which is no preset)."""
+        conf/model/ or their checkpoint is a preset's (a checkpoint's rows are named after its file,
+        which is no preset), else `model.checkpoint=<the file or folder the rows read>`."""
         if (config_dir() / "model" / f"{self.model}.yaml").is_file():
             return f"model={self.model}"
-        checkpoints = self.rows["checkpoint"].dropna()
-        return f"model.checkpoint={checkpoints.iloc[0]}" if len(checkpoints) else f"model={self.model}"
+        checkpoints = self.rows["checkpoint"].dropna() if "checkpoint" in self.rows else pd.Series(dtype=object)
+        if not len(checkpoints):
+            return f"model={self.model}"
+        preset = preset_of_checkpoint(str(checkpoints.iloc[0]))
+        return f"model={preset}" if preset else f"model.checkpoint={checkpoints.iloc[0]}"
 
     def strategies(self) -> list[str]:
         """The strategies of the group's ok rows: the recompute reference first, then by name."""
@@ -90,16 +97,29 @@ class Cohort:
 
     def plain_cache(self) -> str | None:
         """The series the cache-against-no-cache figures use (see plain_cache_strategy)."""
-        return plain_cache_strategy(self.ok)
+        return plain_cache_strategy(self.timed)
 
     def plain_cache_strategy_name(self) -> str | None:
         """The `strategy=` value of plain_cache's rows, for a command line (a series may carry options)."""
         series = self.plain_cache()
-        return None if series is None else str(self.ok.loc[self.ok[SERIES] == series, "strategy"].iloc[0])
+        return None if series is None else str(self.timed.loc[self.timed[SERIES] == series, "strategy"].iloc[0])
 
 
 # What the report needs to know of a strategy, it reads from the row's capability columns (caches_kv,
 # exact, cache_*), never from its name: a strategy added later appears in every table and plot.
+
+
+def preset_of_checkpoint(path: str) -> str | None:
+    """The preset of conf/model/ whose checkpoint is the file or folder `path` (absolute, as rows record
+    it), or None."""
+    for preset in sorted((config_dir() / "model").glob("*.yaml")):
+        named = OmegaConf.load(preset).get("checkpoint")
+        try:
+            if named and checkpoint_location(str(named)) == Path(path):
+                return preset.stem
+        except LocationError:  # a preset's package not installed here: not the rows' checkpoint
+            continue
+    return None
 
 
 def newest_per_point(rows: pd.DataFrame, point_columns) -> pd.DataFrame:
@@ -160,18 +180,26 @@ def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> l
         held = analytic.held[(analytic.held["model"] == model) & (analytic.held["dtype"] == dtype)]
         ran = predicted[predicted["status"] == "ok"]
         usable = usable_step(ran)
-        noisy = ran["noisy"].fillna(False).astype(bool) if "noisy" in ran else pd.Series(False, index=ran.index)
-        ok = ran[usable & ~noisy].copy()  # noisy rows stay out of every fit, ratio and plot; the tables list them
+        ran = ran.assign(noisy=noisy_flags(ran))
+        timed = ran[usable].copy()  # noisy rows too: their ratios to members timed in the same rounds hold
+        ok = timed[~timed["noisy"]].copy()  # noisy rows stay out of what compares a time with a roof, and of fits
         found.append(Cohort(
             model=str(model), device=str(device), dtype=str(dtype), matmul_kernel=str(matmul_kernel),
             device_name=str(device_name),
             roof_flops=float(first["roof_flops_used"]), roof_bandwidth=float(first["roof_bandwidth_used"]),
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
-            rows=rows, ok=ok, unusable=ran[~usable],
+            rows=rows, ok=ok, timed=timed, unusable=ran[~usable],
             lines=lines, held=held, figures=analytic.shapes.get((model, dtype), {}),
         ))
-    return sorted(found, key=lambda g: -len(g.ok))
+    return sorted(found, key=lambda g: -len(g.timed))
+
+
+def noisy_flags(rows: pd.DataFrame) -> pd.Series:
+    """Each row's `noisy` flag as a plain bool (False where the column is absent or null)."""
+    if "noisy" not in rows:
+        return pd.Series(False, index=rows.index)
+    return rows["noisy"].astype(object).where(rows["noisy"].notna(), False).astype(bool)
 
 
 def usable_step(rows: pd.DataFrame) -> pd.Series:

@@ -27,11 +27,11 @@ import pandas as pd
 from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval
 from harness.report import units as fmt
-from harness.report.cohorts import Cohort, cached_rows
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.figures import MARKERS, PALETTE, legend_outside, new_figure, save, title
 from harness.report.kv_formats import weights_note
-from harness.report.tradeoff import interval, ran_rows, reference_series, step_ratio, value
+from harness.report.tradeoff import flag, interval, point_ratio, ran_rows, reference_series, value
 from harness.report.verdicts import Comparison
 
 AXES = ("cache_token_budget", "cache_layers_stored", "cache_key_channels_kept")  # > 0: the axis is compressed
@@ -40,7 +40,8 @@ QUALITY = (  # (row column, its interval's columns, the panel's label)
     ("perplexity_ratio", "perplexity_ratio_ci_low", "perplexity_ratio_ci_high", "perplexity ÷ exact cache's"),
     ("recall_top1", "recall_top1_ci_low", "recall_top1_ci_high", "recall probe: top-1 on the repeated span"),
 )
-HEADER = ["variant", "bytes held ÷ exact", "step ÷ exact [95%]", "predicted", "KL mean [95%]", "KL p99 [95%]",
+MAX_PLOTS = 16  # trade-off plots per cohort, one per point
+HEADER = ["variant", "bytes held ÷ exact", "step ÷ exact [95%]", "step ÷ exact, predicted", "KL mean [95%]", "KL p99 [95%]",
           "same top-1 [95%]", "perplexity ratio [95%]", "recall top-1 [95%]", "recall KL [95%]",
           "cache = weights at ctx"]
 CAPTION = ("Cache bytes held at the end of the point, measured, ÷ the exact cache's, "
@@ -85,12 +86,12 @@ def variants_at(ran: pd.DataFrame, reference: str) -> list[Variant]:
         return []
     base = exact.iloc[0]
     found = []
-    for _, row in cached.iterrows():
+    for _, row in newest_per_point(cached, [SERIES]).iterrows():  # repeats: one line, the step pooled
         held, base_held = value(row, "kv_cache_bytes"), value(base, "kv_cache_bytes")
         is_reference = row[SERIES] == reference
         found.append(Variant(
             series=str(row[SERIES]), held_ratio=held / base_held if held is not None and base_held else None,
-            step=None if is_reference else step_ratio(ran, row, reference),
+            step=None if is_reference else point_ratio(cached, row[SERIES], reference),
             predicted=None if is_reference else _predicted(row, base),
             quality={column: interval(row, column, low, high) for column, low, high, _ in QUALITY}, row=row))
     return sorted(found, key=lambda v: (v.series != reference, v.held_ratio or 0, v.series))
@@ -112,9 +113,9 @@ def table_row(v: Variant) -> list[str]:
     if v.step is None:
         step, predicted = "reference", "–"
     else:
-        step = "noisy" if bool(row.get("noisy")) else v.step.text()
+        step = v.step.text()  # a ratio drawing on a noisy row is kept and says `noisy`
         predicted = "–" if v.predicted is None else fmt.ratio(v.predicted)
-        if v.predicted is not None and not bool(row.get("noisy")) and v.step.ratio.excludes(v.predicted):
+        if v.predicted is not None and not flag(row, "noisy") and v.step.ratio.excludes(v.predicted):
             predicted += " **outside**"
     exact = bool(row.get("exact"))
     quality = ["exact"] * 6 if exact else [
@@ -172,7 +173,7 @@ def _point_paragraph(found: list[Variant], batch: int, ctx: int) -> str:
     if crossover is not None:
         side = "past" if ctx >= crossover else "short of"
         parts.append(f"At this batch it weighs the weights a step reads at ctx {crossover:,.0f}; this point is {side} it.")
-    outside = [v for v in found if v.step is not None and v.predicted is not None and not bool(v.row.get("noisy"))
+    outside = [v for v in found if v.step is not None and v.predicted is not None and not flag(v.row, "noisy")
                and v.step.ratio.excludes(v.predicted)]
     if outside:
         parts.append("Measured step ratios whose interval excludes the prediction: " + "; ".join(
@@ -197,8 +198,12 @@ def compression_section(groups: list[Cohort], folder: Path) -> list[Block]:
             if not found:
                 continue
             label = f"batch {batch:,}, ctx {ctx:,}"
-            path = tradeoff_plot(label, found, f"compression_{group.slug}_b{batch}_ctx{ctx}.png", group.title, folder)
-            blocks += [Heading(label, 4), Figure(path, CAPTION), Paragraph(_point_paragraph(found, batch, ctx)),
+            drawn = sum(isinstance(block, Figure) for block in blocks)
+            picture: Block = (Figure(tradeoff_plot(label, found, f"compression_{group.slug}_b{batch}_ctx{ctx}.png",
+                                                   group.title, folder), CAPTION) if drawn < MAX_PLOTS else
+                              Paragraph(f"*(plot omitted: the first {MAX_PLOTS} points of this cohort are drawn, so "
+                                        "that a folder of many points stays bounded; the table holds this one)*"))
+            blocks += [Heading(label, 4), picture, Paragraph(_point_paragraph(found, batch, ctx)),
                        Table(HEADER, [table_row(v) for v in found], [False] + [True] * 10)]
         if blocks:
             out += [Heading(group.title, 3), Paragraph(weights_note(group)), *blocks]

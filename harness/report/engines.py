@@ -82,7 +82,7 @@ def engine_section(table: pd.DataFrame) -> list[Block]:
 
 
 def _step_table(ok: pd.DataFrame) -> Table:
-    header = ["batch", "ctx", "member", "engine", "KV type", "granularity", "step", "÷ exact cache [95%]", "where"]
+    header = ["batch", "ctx", "member", "engine", "KV type", "granularity", "step measured", "step ÷ exact cache [95%]", "where"]
     rows = []
     for _, row in ok.iterrows():
         rows.append([str(int(row["batch"])), str(int(row["ctx"])), row["strategy"], _who(row), _kv(row),
@@ -96,7 +96,7 @@ def _step_table(ok: pd.DataFrame) -> Table:
 
 
 def _target_table(ok: pd.DataFrame) -> Table:
-    header = ["batch", "ctx", "engine member", "engine", "KV type", "exact cache ÷ engine [95%]", "verdict"]
+    header = ["batch", "ctx", "engine member", "engine", "KV type", "step, exact cache ÷ engine [95%]", "verdict"]
     full = ok[_has(ok, "agreement_logit_rel")]
     rows = [[str(int(r["batch"])), str(int(r["ctx"])), r["strategy"], _who(r), _kv(r),
              _interval(r["ratio_to_reference"], r["ratio_ci_low"], r["ratio_ci_high"], invert=True),

@@ -20,6 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 
+from harness.files import write_whole  # noqa: E402
+
 DPI = 110  # every PNG's resolution
 REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
 PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # one per series
@@ -83,9 +85,13 @@ def discard_open() -> None:
 
 
 def save(fig, folder: Path, name: str) -> Path:
+    """Write the figure as `folder/name` through the one atomic writer (harness.files.write_whole): a
+    reader, or a report killed half-way, sees the previous PNG or this one, never half of one."""
     path = Path(folder) / name
-    fig.savefig(path, dpi=DPI)  # savefig runs the constrained layout once, at this resolution, then draws
-    plt.close(fig)
+    try:  # savefig runs the constrained layout once, at this resolution, then draws
+        write_whole(path, lambda handle: fig.savefig(handle, format="png", dpi=DPI))
+    finally:
+        plt.close(fig)
     return path
 
 

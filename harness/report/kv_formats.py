@@ -21,7 +21,7 @@ from harness.report.figures import MARKERS, PALETTE, in_units, legend_outside, l
 from harness.report.tradeoff import (FrontPoint, VariantPoint, front_points, missing_columns, narrow_or_approximate,
                                      pareto_front, ran_rows, reference_series, variant_points)
 
-HEADER = ["variant", "class", "batch", "ctx", "bytes/token", "× exact", "step ÷ exact [95%]", "roofline ratio",
+HEADER = ["variant", "class", "batch", "ctx", "bytes/token", "bytes/token ÷ exact", "step ÷ exact [95%]", "step ÷ exact, roofline",
           "KL mean [95%], nats", "KL p99", "KL max", "same top-1", "perplexity ratio [95%]", "tokens scored (after ctx)",
           "Pareto front"]
 RANDOM_WEIGHTS_WARNING = (
@@ -90,9 +90,7 @@ def table_row(point: VariantPoint, front: set, contexts: list[int]) -> list[str]
     accuracy = point.accuracy
     if point.is_reference:
         step = "reference"
-    elif point.noisy:
-        step = "noisy"
-    else:
+    else:  # a noisy row's paired ratio is kept: its text says `noisy`
         step = "–" if point.step is None else point.step.text()
     if accuracy.exact:
         kl = perplexity = "exact"

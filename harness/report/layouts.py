@@ -16,7 +16,7 @@ from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, SERIES
 from harness.report.verdicts import pooled_step, step_text, verdict
 
-HEADER = ["batch", "ctx", "rank", "strategy", "step measured ±95%", "× fastest [95%]", "step roofline", "bytes/step (model)",
+HEADER = ["batch", "ctx", "rank", "strategy", "step measured ±95%", "step ÷ fastest [95%]", "step roofline", "bytes/step (model)",
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
 
 
@@ -24,7 +24,7 @@ def ranking_rows(group: Cohort) -> list[list[str]]:
     """One line per cache at every (batch, ctx) of the group where two or more caches ran, ranked by
     pooled median step; each against the fastest with the paired interval (a tie where it holds 1)."""
     body = []
-    cached = cached_rows(group.ok).dropna(subset=["decode_step_s"])
+    cached = cached_rows(group.timed).dropna(subset=["decode_step_s"])  # a noisy row's ratio is kept, marked
     for (batch, ctx), rows in cached.groupby(["batch", "ctx"], sort=True):
         if rows[SERIES].nunique() < 2:
             continue
@@ -37,7 +37,7 @@ def ranking_rows(group: Cohort) -> list[list[str]]:
             allocated = r["kv_cache_bytes"]
             against = judged.comparisons[series].text() if series in judged.comparisons else "fastest"
             body.append([fmt.count(batch), fmt.count(ctx), str(rank), str(series),
-                         step_text(step),
+                         step_text(step) + (" (noisy)" if bool(mine["noisy"].any()) else ""),
                          against, fmt.seconds(r.get("predicted_step_s")),
                          fmt.nbytes(r["bytes_per_step_model"]), fmt.nbytes(allocated), fmt.nbytes(needed),
                          fmt.ratio(allocated / needed) if needed and not pd.isna(allocated) else "–"])

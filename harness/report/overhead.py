@@ -134,13 +134,13 @@ def _compiled_section(groups: list[Cohort]) -> list[Block]:
         out += [Heading(group.title, 3), Table(PAIR_HEADER, body, [False] + [True] * 8),
                 Paragraph(f"Median speedup: {fmt.ratio(found['speedup'].median())} over {len(found)} point(s).")]
     if not shown:
-        first = groups[0] if groups else None
-        model, device = (first.model_key, first.device) if first else ("model=<model>", "<device>")
-        cached = (first.plain_cache_strategy_name() if first else None) or "<a compilable cached strategy>"
+        first = groups[0] if groups else None  # none: the run's defaults stand for the model and device
+        cached = first.plain_cache_strategy_name() if first else None  # none: the run's default strategy
+        where = f"{first.model_key} " if first else ""
+        keys = f"{where}{f'strategy={cached} ' if cached else ''}compile={EAGER},{COMPILED} batch=1,4 ctx=256,1024"
         out.append(Paragraph(
             "No point here ran both eager and compiled; a sweep that does: "
-            f"`python -m harness.run -m {model} strategy={cached} compile={EAGER},{COMPILED} "
-            f"batch=1,4 ctx=256,1024 device={device}`."))
+            f"`python -m harness.run -m {keys}{f' device={first.device}' if first else ''}`."))
     return out
 
 

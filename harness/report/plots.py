@@ -4,6 +4,10 @@ Every function takes one Cohort (one model, device, dtype) and the folder to wri
 path of the PNG, or None when the rows at hand cannot show what the plot is about (the report then
 says so instead of drawing an empty frame). One exception: comparison_ratios draws the points two runs
 share (harness.report.compare), which span groups.
+
+Rows flagged noisy are drawn, hollow and named so, wherever a plot shows ratios between members timed
+in the same rounds or memory (Cohort.timed); only the step-time plot, which sets absolute times against
+the roofline, draws the quiet rows alone (Cohort.ok).
 """
 from __future__ import annotations
 
@@ -14,12 +18,14 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point, ordered_strategies, reference_rows, SERIES
 from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
                                     new_figure, save, title)
+from harness.report.tradeoff import point_ratio, reference_series
 
 STRATEGY_COLOURS = PALETTE
 OTHER_COLOUR = "#7f7f7f"  # a series that is neither the reference nor a cache
+MAX_BARS = 80  # bars one plot draws: a folder of thousands of points draws the first ones and says so
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -103,8 +109,9 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
 
 
 def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
-    """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context."""
-    ok = group.ok  # every step time in it is finite and above 0 (cohorts.usable_step)
+    """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context;
+    a measured ratio drawing on a noisy row hollow."""
+    ok = group.timed  # every step time in it is finite and above 0 (cohorts.usable_step)
     cached_name = group.plain_cache()
     if cached_name is None or reference_rows(ok).empty:
         return None
@@ -120,10 +127,12 @@ def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
         time_ratio = full_step / _line(group, cached_name, batch, "predicted_step_s", ok["ctx"])[1]
         ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(cached_rows(ok))):
-            pairs = measured_ratio(ok, int(batch), strategy)
-            if pairs:
-                ax.plot(*zip(*pairs), MARKERS[j % len(MARKERS)], color=colour, ms=7,
-                        label=f"measured, {strategy}, batch {batch}")
+            noisy = noisy_contexts(ok, int(batch), strategy)
+            for hollow in (False, True):
+                pairs = [(c, r) for c, r in measured_ratio(ok, int(batch), strategy) if (c in noisy) == hollow]
+                if pairs:
+                    ax.plot(*zip(*pairs), MARKERS[j % len(MARKERS)], color=colour, ms=7, mfc="none" if hollow else colour,
+                            label=f"measured, {strategy}, batch {batch}{' (noisy)' if hollow else ''}")
     ax.axhline(1.0, color="#999", lw=0.8)
     _context_axis(ax, ok["ctx"])
     log_scale(ax, "y", as_ratio)
@@ -146,11 +155,51 @@ def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
     return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
 
 
+def noisy_contexts(rows, batch: int, cached_name: str) -> set[int]:
+    """The contexts at which a reference's or `cached_name`'s row at this batch is flagged noisy."""
+    mine = rows[(rows["batch"] == batch) & (rows[SERIES].isin([cached_name, *reference_rows(rows)[SERIES]]))]
+    return {int(c) for c in mine.loc[mine["noisy"].astype(bool), "ctx"]} if "noisy" in mine else set()
+
+
+def step_ratio_vs_context(group: Cohort, folder: Path) -> Optional[Path]:
+    """Each member's step time ÷ the group's reference cache's (paired over rounds timed together, bars
+    their 95% interval) against context, one panel per batch; a ratio drawing on a noisy row hollow.
+    The plot a busy machine does not break: the members of a round share the load."""
+    timed = group.timed
+    reference = reference_series(timed)
+    if reference is None or timed[SERIES].nunique() < 2:
+        return None
+    found = [(row, ratio) for (_, _), at_point in timed.groupby(["batch", "ctx"], sort=True)
+             for series, row in at_point.drop_duplicates(SERIES).set_index(SERIES, drop=False).iterrows()
+             if series != reference and (ratio := point_ratio(at_point, series, reference)) is not None]
+    if not found:  # one marker per series and point, repeats pooled: a folder of thousands stays one plot
+        return None
+    batches = sorted({row["batch"] for row, _ in found})
+    fig, axes = new_figure(4.2 * len(batches) + 2.6, 4.2, columns=len(batches), squeeze=False, sharey=True)
+    colours = _colours(group)
+    for ax, batch in zip(axes[0], batches):
+        for row, ratio in ((row, ratio) for row, ratio in found if row["batch"] == batch):
+            r, colour = ratio.ratio, colours.get(row[SERIES], OTHER_COLOUR)
+            ax.errorbar([row["ctx"]], [r.median], yerr=[[max(r.median - r.low, 0)], [max(r.high - r.median, 0)]],
+                        fmt="o", ms=6, capsize=3, color=colour, mfc="none" if ratio.noisy else colour,
+                        label=f"{row[SERIES]} (noisy)" if ratio.noisy else str(row[SERIES]))
+        ax.axhline(1.0, color="black", lw=0.9)
+        _context_axis(ax, timed["ctx"])
+        log_scale(ax, "y", as_ratio)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens before the first decode step)")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel(f"step time ÷ {reference}'s")
+    legend_outside(fig, axes[0], "hollow: a noisy row")
+    title(fig, f"Step time against the reference cache's, paired over rounds timed together\n{group.title}")
+    return save(fig, folder, f"step_ratio_{group.slug}.png")
+
+
 def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     """Cache bytes against batch x tokens, the weights as a line, the crossover marked."""
     per_token, weights, crossover = (group.figures[k] for k in ("kv_bytes_per_token", "weight_bytes",
                                                                  "tokens_to_match_weights"))
-    cached = positive(cached_rows(group.ok), "kv_cache_bytes")
+    cached = positive(cached_rows(group.timed), "kv_cache_bytes")  # bytes: noise does not move them
     tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
     high = max([crossover * 4, *(tokens * 2)])
     grid = np.geomspace(1, high, 100)
@@ -177,8 +226,9 @@ def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
 
 
 def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
-    """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both."""
-    ok = cached_rows(group.ok)  # step times usable (cohorts.usable_step)
+    """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both, a
+    noisy row's hollow and named so (a time per token, set against no roof)."""
+    ok = cached_rows(group.timed)  # step times usable (cohorts.usable_step)
     ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
     fig, (left, right) = new_figure(14.0, 4.8, columns=2)
     for i, batch in enumerate(sorted(set(ok["batch"]) or {1})):
@@ -192,12 +242,14 @@ def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
             if mine.empty:
                 continue
             marker = MARKERS[j % len(MARKERS)]
+            noisy = " (noisy)" if mine["noisy"].any() else ""
             decode_t = mine["decode_step_s"] / mine["batch"]
-            right.plot(mine["ctx"], decode_t, marker + "-", color=colour, ms=5, label=f"decode, {strategy}, batch {batch}")
+            right.plot(mine["ctx"], decode_t, marker + ("-" if not noisy else ":"), color=colour, ms=5,
+                       mfc="none" if noisy else colour, label=f"decode, {strategy}, batch {batch}{noisy}")
             prefilled = positive(mine, "prefill_s")
             if not prefilled.empty:
                 right.plot(prefilled["ctx"], prefilled["prefill_s"] / (prefilled["batch"] * prefilled["ctx"]), marker + "--",
-                           color=colour, ms=5, mfc="none", label=f"prefill, {strategy}, batch {batch}")
+                           color=colour, ms=5, mfc="none", label=f"prefill, {strategy}, batch {batch}{noisy}")
     left.set_title("bytes moved per token (analytic)", fontsize=10)
     left.set_ylabel("bytes per token")
     right.set_title("time per token (measured, cached strategies)", fontsize=10)
@@ -258,10 +310,12 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
 
 def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     """Peak memory of every ok row, stacked: weights, cache, the rest (split_of: summary.memory_split)."""
-    rows = [(r, split_of(r)) for _, r in group.ok.sort_values([SERIES, "batch", "ctx"]).iterrows()]
-    rows = [(r, split) for r, split in rows if split is not None]
+    points = newest_per_point(group.timed, [SERIES, "batch", "ctx"]).sort_values([SERIES, "batch", "ctx"])
+    rows = [(r, split) for _, r in points.iterrows() if (split := split_of(r)) is not None]
     if not rows:
         return None
+    shown = f" (the first {MAX_BARS} of {len(rows)} points)" if len(rows) > MAX_BARS else ""
+    rows = rows[:MAX_BARS]  # a bar per point stays readable up to this many
     labels = [f"{r[SERIES]}\n{int(r['batch'])}×{int(r['ctx'])}" for r, _ in rows]
     weights, cache, rest = (np.array([split[i] for _, split in rows]) / 2**20 for i in (1, 2, 3))
     fig, ax = new_figure(min(18.0, max(10.0, 0.45 * len(rows) + 4)), 4.8)
@@ -273,7 +327,7 @@ def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     ax.set_ylabel("MiB at the point's peak")
     ax.grid(True, axis="y", alpha=0.3)
     legend_outside(fig, [ax])
-    title(fig, f"Peak memory per point: weights, cache and the rest\n{group.title}")
+    title(fig, f"Peak memory per point{shown}: weights, cache and the rest\n{group.title}")
     return save(fig, folder, f"peak_memory_{group.slug}.png")
 
 

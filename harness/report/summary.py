@@ -6,6 +6,9 @@ what the plain cache saved against the recompute reference in time (with its int
 verdict is) and in FLOPs (the gap between the two is the report's main story), the roof that binds the
 fastest step and the share of it reached, tokens per second, and the peak memory of the plain cache's
 run split into weights, cache and the rest (activations, the allocator's slack, the runtime's buffers).
+Rows flagged noisy stay in: their ratios to the members timed in the same rounds hold (marked `noisy`,
+wider), and their memory does not depend on the machine's load; only the share of the roof reached, an
+absolute time set against a roof, reads `– (noisy)`.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from harness.report.cohorts import Cohort, cached_rows, reference_rows
 from harness.report.verdicts import Verdict, compare, pooled_step, step_text, verdict
 
 HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
-          "cache saves: time", "cache saves: FLOPs", "peak memory", "weights", "cache", "rest"]
+          "cache saves: time", "cache saves: FLOPs", "peak memory", "peak: weights", "peak: cache", "peak: rest"]
 
 
 def _one(rows: pd.DataFrame, series: str | None):
@@ -38,7 +41,7 @@ def memory_split(row) -> tuple[float, float, float, float] | None:
 def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[list[str]]:
     """One line per (batch, ctx) of the group; each point's Verdict is appended to `verdicts` when given."""
     body = []
-    ok = group.ok.dropna(subset=["decode_step_s"])
+    ok = group.timed.dropna(subset=["decode_step_s"])
     plain = group.plain_cache()
     for (batch, ctx), rows in ok.groupby(["batch", "ctx"], sort=True):
         caches = cached_rows(rows)  # the recompute reference has its own column: what the cache saves
@@ -56,12 +59,15 @@ def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[l
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
         fraction, in_rounds = fastest.get("roofline_fraction"), fastest.get("roofline_fraction_in_rounds")
         of_roof = "–" if fmt.missing(fraction) else f"{fraction:.0%}"
-        if not fmt.missing(fraction) and not fmt.missing(in_rounds) and abs(in_rounds / fraction - 1) > 0.25:
+        if bool(fastest.get("noisy")):  # a busy machine's time against a quiet machine's roof says nothing
+            of_roof = "– (noisy)"
+        elif not fmt.missing(fraction) and not fmt.missing(in_rounds) and abs(in_rounds / fraction - 1) > 0.25:
             of_roof += f" of the calibrated roof ({in_rounds:.0%} of the read in its own rounds)"  # which was judged
         linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
         step = pooled_step(rows[rows[SERIES] == judged.fastest])
+        noisy = " (noisy)" if bool(rows.loc[rows[SERIES] == judged.fastest, "noisy"].any()) else ""
         body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
-                     step_text(step),
+                     step_text(step) + noisy,
                      fmt.number(int(batch) / step.median),
                      str(fastest.get("roof_bound") or "–"), of_roof,
                      time_saved, flops_saved, *memory])

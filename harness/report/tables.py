@@ -1,13 +1,15 @@
 """The report's tables: every row beside its prediction, the roofs used, rows and files not measured."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
 from harness.report import units as fmt
 from harness.report.document import Table
-from harness.report.cohorts import cached_rows, plain_cache_strategy, SERIES
+from harness.report.cohorts import cached_rows, newest_per_point, plain_cache_strategy, SERIES
 
 ROW_ORDER = ["model", "device", "dtype", SERIES, "batch", "ctx"]
 
@@ -23,57 +25,82 @@ def without_empty_columns(block: Table) -> Table:
     return Table([block.header[i] for i in keep], [[row[i] for i in keep] for row in block.rows], [right[i] for i in keep])
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of the rows table: its heading, the row columns it shows (rows.csv carries them under
+    these names, as numbers), and how its cell is written for a reader."""
+
+    header: str  # distinct from every other column's, saying what it holds
+    sources: tuple[str, ...]  # the row's columns it is made of (docs/columns.md)
+    cell: Callable[[pd.Series], str]
+    right: bool = True  # a number: aligned right
+
+
+def _as(how: Callable, column: str) -> Callable:
+    """A cell that writes the row's `column` with `how` (a units function; str for text)."""
+    return lambda row: how(_get(row, column))
+
+
+def _bytes_and_source(row) -> str:
+    measured = _get(row, "bytes_per_step_measured")
+    if fmt.missing(measured):
+        return f"{fmt.nbytes(_get(row, 'bytes_per_step_model'))} (model)"
+    return f"{fmt.nbytes(measured)} ({_get(row, 'traffic_source') or 'measured'})"
+
+
+# The one model of the rows table: report.md and index.html render its cells, rows.csv its sources.
+ROW_COLUMNS = [
+    Column("strategy", (SERIES, "strategy"), _as(str, SERIES), False),
+    Column("model", ("model",), _as(str, "model"), False),
+    Column("dtype", ("dtype",), _as(str, "dtype"), False),
+    Column("device", ("device",), _as(str, "device"), False),
+    Column("batch", ("batch",), lambda row: fmt.count(row["batch"])),
+    Column("ctx", ("ctx",), lambda row: fmt.count(row["ctx"])),
+    Column("status", ("status",), _as(str, "status"), False),
+    Column("step measured", ("decode_step_s",), _as(fmt.seconds, "decode_step_s")),
+    Column("step roofline", ("predicted_step_s",), _as(fmt.seconds, "predicted_step_s")),
+    Column("step ÷ roofline", ("ratio_decode_step_s",), _as(fmt.ratio, "ratio_decode_step_s")),
+    Column("prefill measured", ("prefill_s",), _as(fmt.seconds, "prefill_s")),
+    Column("prefill roofline", ("predicted_prefill_s",), _as(fmt.seconds, "predicted_prefill_s")),
+    Column("prefill ÷ roofline", ("ratio_prefill_s",), _as(fmt.ratio, "ratio_prefill_s")),
+    Column("bytes/step (source)", ("bytes_per_step_measured", "traffic_source"), _bytes_and_source),
+    Column("bytes/step analytic", ("bytes_per_step_model",), _as(fmt.nbytes, "bytes_per_step_model")),
+    Column("bytes ÷ analytic", ("ratio_bytes_per_step_measured",), _as(fmt.ratio, "ratio_bytes_per_step_measured")),
+    Column("cache allocated", ("kv_cache_bytes",), _as(fmt.nbytes, "kv_cache_bytes")),
+    Column("cache analytic", ("kv_cache_bytes_model",), _as(fmt.nbytes, "kv_cache_bytes_model")),
+    Column("cache ÷ analytic", ("ratio_kv_cache_bytes",), _as(fmt.ratio, "ratio_kv_cache_bytes")),
+    Column("peak memory", ("peak_memory_bytes",), _as(fmt.nbytes, "peak_memory_bytes")),
+    Column("peak predicted", ("peak_memory_predicted_bytes",), _as(fmt.nbytes, "peak_memory_predicted_bytes")),
+    Column("peak ÷ predicted", ("ratio_peak_memory_bytes",), _as(fmt.ratio, "ratio_peak_memory_bytes")),
+    Column("tokens/s", ("tokens_per_s",), lambda row: fmt.number(_get(row, "tokens_per_s"))),
+    Column("bound", ("roof_bound",), lambda row: str(_get(row, "roof_bound") or "–"), False),
+    Column("noisy", ("noisy", "noise_reason"),
+           lambda row: str(_get(row, "noise_reason") or "–") if _get(row, "noisy") is True else "–", False),
+]
+ROW_IDENTITY = ("point_key", "source_file")  # rows.csv only: which row, read from which file
+
+
+def ran_in_order(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows the rows table holds: every row that ran (skipped and failed ones are listed apart, with
+    their reasons), in the table's order."""
+    ran = table[table["status"] == "ok"] if "status" in table else table
+    return ran.sort_values(ROW_ORDER)
+
+
 def rows_table(table: pd.DataFrame) -> Table:
-    """Every row that ran (skipped and failed ones are listed apart, with their reasons): measured and
-    analytic time, bytes, cache bytes, peak memory against the memory model's, their ratios, the bound;
-    columns empty in every row left out."""
-    table = table[table["status"] == "ok"] if "status" in table else table
-    header = ["strategy", "model", "dtype", "device", "batch", "ctx", "status",
-              "step measured", "step roofline", "step ÷ roofline", "prefill measured", "prefill roofline",
-              "prefill ÷ roofline", "bytes/step (source)", "bytes/step analytic", "bytes ÷ analytic",
-              "cache allocated", "cache analytic", "cache ÷ analytic", "peak memory", "peak predicted",
-              "peak ÷ predicted", "tokens/s", "bound", "noisy"]
-    right = [False, False, False, False, True, True, False] + [True] * 16 + [False, False]
-    body = []
-    for _, row in table.sort_values(ROW_ORDER).iterrows():
-        measured_bytes = _get(row, "bytes_per_step_measured")
-        if fmt.missing(measured_bytes):
-            bytes_cell = f"{fmt.nbytes(_get(row, 'bytes_per_step_model'))} (model)"
-        else:
-            bytes_cell = f"{fmt.nbytes(measured_bytes)} ({_get(row, 'traffic_source') or 'measured'})"
-        body.append([
-            str(row[SERIES]), str(row["model"]), str(row["dtype"]), str(row["device"]),
-            fmt.count(row["batch"]), fmt.count(row["ctx"]), str(row["status"]),
-            fmt.seconds(_get(row, "decode_step_s")), fmt.seconds(_get(row, "predicted_step_s")),
-            fmt.ratio(_get(row, "ratio_decode_step_s")),
-            fmt.seconds(_get(row, "prefill_s")), fmt.seconds(_get(row, "predicted_prefill_s")),
-            fmt.ratio(_get(row, "ratio_prefill_s")),
-            bytes_cell, fmt.nbytes(_get(row, "bytes_per_step_model")),
-            fmt.ratio(_get(row, "ratio_bytes_per_step_measured")),  # only a counter's bytes make a ratio
-            fmt.nbytes(_get(row, "kv_cache_bytes")), fmt.nbytes(_get(row, "kv_cache_bytes_model")),
-            fmt.ratio(_get(row, "ratio_kv_cache_bytes")),
-            fmt.nbytes(_get(row, "peak_memory_bytes")), fmt.nbytes(_get(row, "peak_memory_predicted_bytes")),
-            fmt.ratio(_get(row, "ratio_peak_memory_bytes")),
-            fmt.number(_get(row, "tokens_per_s")),
-            str(_get(row, "roof_bound") or "–"),
-            str(_get(row, "noise_reason") or "–") if _get(row, "noisy") is True else "–",
-        ])
-    return without_empty_columns(Table(header, body, right))
-
-
-# rows.csv: the rows table's data, unformatted, under the columns' own names (docs/columns.md, docs/report.md)
-ROWS_CSV_COLUMNS = [SERIES, "strategy", "model", "dtype", "device", "batch", "ctx", "status", "decode_step_s",
-                    "predicted_step_s", "ratio_decode_step_s", "prefill_s", "predicted_prefill_s", "ratio_prefill_s",
-                    "bytes_per_step_measured", "traffic_source", "bytes_per_step_model", "ratio_bytes_per_step_measured",
-                    "kv_cache_bytes", "kv_cache_bytes_model", "ratio_kv_cache_bytes", "peak_memory_bytes",
-                    "peak_memory_predicted_bytes", "ratio_peak_memory_bytes", "tokens_per_s", "roof_bound", "noisy",
-                    "noise_reason", "point_key", "source_file"]
+    """The rows table as a reader sees it (ROW_COLUMNS' cells): measured and analytic time, bytes, cache
+    bytes, peak memory against the memory model's, their ratios, the bound; columns empty in every row
+    left out."""
+    body = [[column.cell(row) for column in ROW_COLUMNS] for _, row in ran_in_order(table).iterrows()]
+    return without_empty_columns(Table([c.header for c in ROW_COLUMNS], body, [c.right for c in ROW_COLUMNS]))
 
 
 def rows_csv(table: pd.DataFrame) -> str:
-    """rows.csv: every row that ran, the same rows as rows_table in its order, as numbers."""
-    ran = table[table["status"] == "ok"].sort_values(ROW_ORDER)
-    return ran[[c for c in ROWS_CSV_COLUMNS if c in ran]].to_csv(index=False)
+    """rows.csv: the rows table's rows in its order, each column's sources as numbers under the row's
+    own column names (docs/columns.md), then which row and file."""
+    ran = ran_in_order(table)
+    names = list(dict.fromkeys(source for column in ROW_COLUMNS for source in column.sources)) + list(ROW_IDENTITY)
+    return ran[[c for c in names if c in ran]].to_csv(index=False)
 
 
 def roofs_table(table: pd.DataFrame) -> Table:
@@ -116,13 +143,13 @@ def skipped_files_table(skipped: list[tuple[str, str]]) -> Table:
 
 
 def equal_product_sets(ok: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
-    """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes), largest
-    product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
+    """Sets of ok rows of one cached strategy sharing batch x ctx (at least two batch sizes; one row per
+    point, the newest), largest product first. Prefers the plainest cache (groups.plain_cache_strategy) when several qualify."""
     cached = cached_rows(ok).dropna(subset=["decode_step_s"])
     plain = plain_cache_strategy(cached)
     for strategy in [plain, *sorted(set(cached[SERIES]) - {plain})] if plain else []:
-        rows = cached[cached[SERIES] == strategy].copy()
-        rows["product"] = rows["batch"] * rows["ctx"]
+        rows = newest_per_point(cached[cached[SERIES] == strategy], ["batch", "ctx"])  # repeats: the newest
+        rows = rows.assign(product=rows["batch"] * rows["ctx"])
         sets = [(int(p), g.sort_values("batch", ascending=False))
                 for p, g in rows.groupby("product") if g["batch"].nunique() >= 2]
         if sets:

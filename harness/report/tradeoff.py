@@ -23,8 +23,8 @@ import pandas as pd
 from harness.analysis.results import SERIES
 from harness.measure.intervals import Interval
 from harness.report import units as fmt
-from harness.report.cohorts import Cohort, cached_rows, plain_cache_strategy, usable_step
-from harness.report.verdicts import Comparison, compare
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point, plain_cache_strategy, usable_step
+from harness.report.verdicts import Comparison, any_noisy, compare
 
 SPEED_COLUMNS = ("ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
 ACCURACY_COLUMNS = ("strategy_family", "accuracy_tokens", "accuracy_ctx", "top1_agreement", "logit_kl_mean",
@@ -96,8 +96,8 @@ class VariantPoint:
     accuracy_steps: int  # decode steps the scored tokens span (the point's decode_tokens where not recorded)
     bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the analytic tables: harness.analysis.curves)
     bytes_ratio: float  # ÷ the reference's bytes per token
-    step: Optional[Comparison]  # this step ÷ the reference's; None for the reference itself or a noisy row
-    noisy: bool  # the row's times are not to be trusted (its accuracy still is)
+    step: Optional[Comparison]  # this step ÷ the reference's (marked noisy where it draws on a noisy row); None for the reference
+    noisy: bool  # the row's absolute times are not to be trusted (its paired ratio and its accuracy still are)
     predicted: float  # the roofline's step ratio, this layout ÷ the reference's
     accuracy: Accuracy
     is_reference: bool  # the exact cache the ratios are taken against
@@ -137,18 +137,29 @@ def reference_series(ran: pd.DataFrame) -> Optional[str]:
 
 def step_ratio(ran: pd.DataFrame, row, reference: str) -> Optional[Comparison]:
     """The row's step ÷ the reference's: its recorded paired ratio where it has one, else compared from
-    the two series' rows at the point (paired where timed in one group, else apart)."""
-    recorded = interval(row, "ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
-    if recorded is not None:
-        return Comparison(recorded, paired=True)
+    the two series' rows at the point (paired where timed in one group, else apart); `noisy` where the
+    row or the reference's at the point is flagged so."""
     at_point = ran[(ran["batch"] == row["batch"]) & (ran["ctx"] == row["ctx"])]
     theirs = at_point[at_point[SERIES] == reference]
+    recorded = interval(row, "ratio_to_reference", "ratio_ci_low", "ratio_ci_high")
+    if recorded is not None:
+        return Comparison(recorded, paired=True, noisy=flag(row, "noisy") or any_noisy(theirs))
     return compare(at_point[at_point[SERIES] == row[SERIES]], theirs) if not theirs.empty else None
 
 
+def point_ratio(at_point: pd.DataFrame, series: str, reference: str) -> Optional[Comparison]:
+    """`series`' step ÷ the reference's at one point (rows of one batch and ctx): the row's own ratio
+    where the series has one row there, else every repeat's rounds pooled (verdicts.compare)."""
+    mine, theirs = at_point[at_point[SERIES] == series], at_point[at_point[SERIES] == reference]
+    if mine.empty or theirs.empty:
+        return None
+    return step_ratio(at_point, mine.iloc[0], reference) if len(mine) == 1 else compare(mine, theirs)
+
+
 def variant_points(group: Cohort) -> list[VariantPoint]:
-    """Every cached variant at every point of the group where a narrow or approximate cache ran; none
-    where no such cache ran or no exact cache stands as the reference."""
+    """Every cached variant at every point of the group where a narrow or approximate cache ran (its
+    newest row, the step ratio pooled over its repeats); none where no such cache ran or no exact cache
+    stands as the reference."""
     ran = ran_rows(group)
     reference = reference_series(ran)
     narrow = narrow_or_approximate(ran)
@@ -156,8 +167,9 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
         return []
     cached = cached_rows(ran)
     points = set(zip(narrow["batch"], narrow["ctx"]))
+    at_points = {point: rows for point, rows in cached.groupby(["batch", "ctx"])}
     found = []
-    for _, row in cached.iterrows():
+    for _, row in newest_per_point(cached, [SERIES, "batch", "ctx"]).iterrows():  # repeats: one line, pooled
         if (row["batch"], row["ctx"]) not in points:
             continue
         tokens = int(row["ctx"] + row["decode_tokens"])
@@ -172,7 +184,7 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
             accuracy_ctx=int(row["ctx"]) if accuracy_ctx is None else int(accuracy_ctx),
             accuracy_steps=steps if accuracy_steps is None else int(accuracy_steps),
             bytes_per_token=per_token, bytes_ratio=per_token / reference_per_token,
-            step=None if mine_is_reference else step_ratio(ran, row, reference),
+            step=None if mine_is_reference else point_ratio(at_points[row["batch"], row["ctx"]], row[SERIES], reference),
             noisy=flag(row, "noisy"), predicted=seconds[0] / seconds[1],
             accuracy=accuracy_of(row), is_reference=mine_is_reference))
     # point by point, the reference first, then from the fewest bytes: each point's trade-off reads down

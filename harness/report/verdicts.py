@@ -9,6 +9,9 @@ Every comparison the report draws between two strategies' step times goes throug
   measured minutes apart differ by the machine's drift as much as by the strategies.
 A ratio whose interval holds 1 is a tie, never a winner. `verdict` names the fastest strategy of a
 point only where its interval clears the next one's, else the members tied within the interval.
+A comparison drawing on a row flagged noisy (other processes took the machine while it was timed) is
+kept, not dropped: the rounds were still timed together, so the ratio holds with a wider interval; it
+reads `noisy` after its figures, so a reader weighs it as such.
 """
 from __future__ import annotations
 
@@ -32,15 +35,17 @@ class Comparison:
 
     ratio: Interval  # numerator's time / denominator's time
     paired: bool  # from rounds timed together (one group); False: measured apart
+    noisy: bool = False  # a row it draws on was flagged noisy: kept, its interval wider, marked
 
     @property
     def tie(self) -> bool:
         return not self.ratio.excludes(1.0)
 
     def text(self) -> str:
-        """`1.48x [1.41–1.55]`, or `tie (1.02x, 0.97–1.07)`; `apart` when not from rounds timed together."""
+        """`1.48x [1.41–1.55]`, or `tie (1.02x, 0.97–1.07)`; `apart` when not from rounds timed together,
+        `noisy` when a row it draws on was flagged noisy."""
         r = self.ratio
-        apart = "" if self.paired else " apart"
+        apart = ("" if self.paired else " apart") + (" noisy" if self.noisy else "")
         if self.tie:
             return f"tie ({fmt.ratio(r.median)}, {r.low:.2f}–{r.high:.2f}){apart}"
         return f"{fmt.ratio(r.median)}{_bounds(r)}{apart}"
@@ -84,8 +89,14 @@ def pooled_step(rows: pd.DataFrame) -> Interval:
     return Interval(median, float(low) if not fmt.missing(low) else median, float(high) if not fmt.missing(high) else median)
 
 
+def any_noisy(*frames: pd.DataFrame) -> bool:
+    """Whether any row of the frames is flagged noisy."""
+    return any(bool(frame["noisy"].fillna(False).astype(bool).any()) for frame in frames if "noisy" in frame)
+
+
 def compare(numerator: pd.DataFrame, denominator: pd.DataFrame) -> Comparison:
     """numerator's step time over denominator's at one point (rows of one series each)."""
+    noisy = any_noisy(numerator, denominator)
     pairs_a, pairs_b = [], []
     if GROUP in numerator and GROUP in denominator:
         partners = {row[GROUP]: _times(row) for _, row in denominator.iterrows() if isinstance(row[GROUP], str)}
@@ -95,9 +106,9 @@ def compare(numerator: pd.DataFrame, denominator: pd.DataFrame) -> Comparison:
                 pairs_a += mine
                 pairs_b += theirs
     if pairs_a:
-        return Comparison(paired_ratio(pairs_a, pairs_b), paired=True)
+        return Comparison(paired_ratio(pairs_a, pairs_b), paired=True, noisy=noisy)
     a, b = pooled_step(numerator), pooled_step(denominator)
-    return Comparison(Interval(a.median / b.median, a.low / b.high, a.high / b.low), paired=False)
+    return Comparison(Interval(a.median / b.median, a.low / b.high, a.high / b.low), paired=False, noisy=noisy)
 
 
 @dataclass(frozen=True)
@@ -120,31 +131,39 @@ def verdict(rows: pd.DataFrame) -> Verdict:
     if not comparisons:
         return Verdict(fastest, fastest, comparisons)
     tied = [name for name in order[1:] if comparisons[name].tie]
-    apart = "" if all(c.paired for c in comparisons.values()) else ", apart"
+    apart = ("" if all(c.paired for c in comparisons.values()) else ", apart") + \
+        (", noisy" if any(c.noisy for c in comparisons.values()) else "")
     if not tied:
         second = order[1]
         return Verdict(f"{fastest} ({ahead(comparisons[second].ratio)} than {second}{apart})", fastest, comparisons)
     within = max(comparisons[name].ratio.high for name in tied) - 1
-    return Verdict(f"tie within {within:.0%}: {', '.join([fastest, *tied])}{' (apart)' if apart else ''}",
+    return Verdict(f"tie within {within:.0%}: {', '.join([fastest, *tied])}{f' ({apart[2:]})' if apart else ''}",
                    fastest, comparisons)
 
 
-def resolution(verdicts: list[Verdict]) -> tuple[float, int] | None:
+def resolution(verdicts: list[Verdict], noisy: bool = False) -> tuple[float, int] | None:
     """The difference this run could resolve: the median half-width of its paired ratio intervals (a
-    fraction), and how many comparisons it is taken over; None without a paired comparison."""
-    widths = sorted(c.ratio.half_width for v in verdicts for c in v.comparisons.values() if c.paired)
+    fraction), and how many comparisons it is taken over, among the comparisons that are noisy or not
+    as `noisy` says; None without such a paired comparison."""
+    widths = sorted(c.ratio.half_width for v in verdicts for c in v.comparisons.values()
+                    if c.paired and c.noisy == noisy)
     if not widths:
         return None
     return widths[len(widths) // 2], len(widths)
 
 
-def resolution_paragraph(verdicts: list[Verdict], noisy: int = 0) -> Paragraph:
-    """The paragraph under the summary: the smallest difference this run could resolve, and why;
-    `noisy`: rows left out as noisy (which may be every row timed together)."""
-    found = resolution(verdicts)
-    if found is None and noisy:
-        return Paragraph(f"No paired comparison is left to resolve a difference: the {noisy} noisy row(s) are left "
-                         "out (below), and with them the strategies they were timed together with.")
+def resolution_paragraph(verdicts: list[Verdict]) -> Paragraph:
+    """The paragraph under the summary: the smallest difference this run could resolve, and why, from
+    the quiet comparisons and, apart, from those drawing on noisy rows (wider)."""
+    found, noisy = resolution(verdicts), resolution(verdicts, noisy=True)
+    if noisy is not None:
+        width, count = noisy
+        quiet = "" if found is None else (f"**Resolution: about ±{found[0]:.1%}** over the {found[1]} ratio(s) of "
+                                          "quiet rows (median half-width of their 95% intervals, paired rounds). ")
+        return Paragraph(
+            f"{quiet}**{count} ratio(s) draw on noisy rows** (marked `noisy`): timed in the same rounds, so the ratio "
+            f"still holds, but over a busy machine's rounds: their median half-width is ±{width:.1%}. A difference "
+            "inside that is reported as a tie; re-run on a quiet machine to narrow it.")
     if found is None:
         return Paragraph("No two strategies were timed in the same rounds here, so no difference between them is "
                          "resolved: rows timed apart differ by the machine's drift between them as much as by the "

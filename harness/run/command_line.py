@@ -12,7 +12,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.config.validate import ConfigError, first_line, interpolations_resolve
+from harness.config.validate import ConfigError, composition_refusal, first_line, interpolations_resolve
 from harness.run.grouping import GROUP_KEY
 
 CONFIG_NAME = "config"
@@ -141,6 +141,9 @@ def composition_error(error: Exception) -> ConfigError:
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
     message = first_line(cause, typed=False)
+    said = composition_refusal(first_line(error, typed=False)) or composition_refusal(message)
+    if said:
+        return said
     if "is not in struct" in str(cause) or "Could not override" in str(error):
         message = f"unknown key ({first_line(error, typed=False)})"
     elif "could not be converted" in message or "Value '" in message:

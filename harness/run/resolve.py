@@ -98,7 +98,6 @@ def point_from_config(cfg, variant: str = "") -> Point:
         prompt = str(Path(prompt).expanduser().resolve())
     # Exact strategies run no accuracy pass: they carry the default, so accuracy.* never splits their keys.
     accuracy = AccuracyConfig() if strategy.exact else AccuracyConfig(**OmegaConf.to_container(cfg.accuracy))
-    accuracy = dataclasses.replace(accuracy, steps=min(accuracy.steps, accuracy.tokens))  # no step scores nothing
     scored = accuracy if not strategy.exact else None
     if scored is not None:
         accuracy_fits(model, dtype, device, cfg.ctx, scored)

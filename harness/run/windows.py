@@ -143,6 +143,7 @@ def recheck(measured: list[MeasuredGroup], measure_again) -> None:
                           f"{budget:.0f} s budget)")
             continue
         _mark_remeasuring(window)  # a kill from here on leaves flagged rows, which the re-run measures again
+        log.info(f"group {window.group_id}: measuring again")  # one more job under a launcher, whatever follows
         again = measure_again(window)
         spent += again.seconds
         if len(again.ok()) < len(window.ok()):

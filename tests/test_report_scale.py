@@ -1,0 +1,69 @@
+"""A folder of thousands of row files: every row read, the odd file named, and the loader's cost set
+against Arrow's own read of the same files in the same run (slow tier: a ratio, skipped with the
+measured reason when other processes took the CPUs).
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pyarrow.dataset as ds
+import pytest
+
+from harness.analysis import results
+from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, others_fraction_since
+from harness.report.assemble import build_report
+from tests.conftest import REPO_ROOT
+from tests.report_fixtures import write_variant_results
+
+_spec = importlib.util.spec_from_file_location("many_rows", REPO_ROOT / "scripts" / "many_rows.py")
+many_rows = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(many_rows)
+
+
+def many(tmp_path, count: int):
+    source = write_variant_results(tmp_path / "source", contexts=(256,))
+    return many_rows.write_many(source, tmp_path / "many", count) and tmp_path / "many"
+
+
+def test_a_folder_of_row_files_is_read_whole_and_a_foreign_file_among_them_named(tmp_path):
+    import pandas as pd
+
+    folder = many(tmp_path, 240)
+    pd.DataFrame({"x": [1, 2]}).to_parquet(folder / "foreign.parquet", index=False)
+    table = results.load(folder)
+    assert len(table) == 240 and table["source_file"].nunique() == 240 and "x" not in table
+    assert any(path.endswith("foreign.parquet") and "missing columns" in why for path, why in table.attrs["skipped_files"])
+
+
+def test_a_damaged_file_among_them_is_named_and_the_others_read(tmp_path):
+    folder = many(tmp_path, 60)
+    (folder / "damaged.parquet").write_bytes(b"PAR1 not a parquet file")
+    table = results.load(folder)
+    assert len(table) == 60
+    assert [why.split(":")[0] for path, why in table.attrs["skipped_files"] if path.endswith("damaged.parquet")] == \
+        ["corrupt Parquet"]
+
+
+@pytest.mark.slow
+def test_loading_thousands_of_row_files_costs_little_beyond_arrows_own_read_of_them(tmp_path):
+    """The loader over 3,000 files (read, upgraded, deduplicated, predicted) against one pyarrow dataset
+    read of the same files, timed in the same run; the report over them then builds."""
+    folder = many(tmp_path, 3000)
+    paths = sorted(str(p) for p in folder.glob("*.parquet"))
+    start = CpuTimes.now()
+    began = time.perf_counter()
+    ds.dataset(paths, format="parquet").to_table()
+    arrow_s = time.perf_counter() - began
+    began = time.perf_counter()
+    table = results.load(folder)
+    load_s = time.perf_counter() - began
+    busy = others_fraction_since(start)
+    if busy > CONTENTION_LIMIT:
+        pytest.skip(f"other processes took {busy:.0%} of the CPUs while the two reads were timed "
+                    f"(loader {load_s:.1f} s, Arrow {arrow_s:.1f} s)")
+    assert len(table) == 3000
+    # The loader adds to the read only vectorised steps and one prediction per distinct point.
+    assert load_s < 4 * arrow_s + 1.0, f"loader {load_s:.2f} s against Arrow's read {arrow_s:.2f} s"
+    files = build_report(folder, out_dir=tmp_path / "report")
+    assert "## This machine, point by point" in files.markdown.read_text()
