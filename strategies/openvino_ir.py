@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from harness.model.gguf_writer import weights_dir
+from strategies.peer import transformers_model
 
 XML = "openvino_model.xml"
 STATE_PAIRS = ("key", "value")
@@ -98,12 +99,8 @@ def _convert(gguf: Path, target: Path) -> None:
     import openvino as ov
     from openvino import opset13
     from openvino._offline_transformations import apply_make_stateful_transformation
-    from transformers import AutoModelForCausalLM
 
-    # transformers reads the copy (restoring the q/k rows' order a GGUF file permutes) in memory: it
-    # refuses to save a model it read from GGUF (save_pretrained: "quantized with gguf and is not
-    # serializable"), so no Hugging Face folder is written on the way
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hf = transformers_model(gguf)  # converted in memory: no Hugging Face folder is written on the way
     flat = FlatPast(hf.eval())
     layers = flat.model.config.num_hidden_layers
     past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in STATE_PAIRS]

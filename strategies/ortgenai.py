@@ -9,6 +9,7 @@ The harness feeds each step's token (its own greedy loop, the same token every m
 is `append_tokens` of one token per sequence, the engine's forward of that token, and `get_logits`.
 Its CPU KV cache is the model's float32; quantized KV on a CPU needs static calibrated scales (the
 builder's KV_CACHE_QUANT_SCHEMES), which is not a KV type measured here: fp32 is the one member.
+Threads: the session's intra-op pool gets the point's torch threads, and does not spin (NO_SPINNING).
 """
 from __future__ import annotations
 
@@ -26,9 +27,13 @@ import torch
 from harness.model.gguf_writer import float_gguf, weights_dir
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
+from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model
 
 BUILT = "genai_config.json"  # the builder's last file: its presence marks a complete build
+# ONNX Runtime's own thread pool (not OpenMP) busy-waits for the next operator's work after each by
+# default; between rounds that would burn the cores another member's step runs on. A session option the
+# genai config passes through to AddConfigEntry: its workers sleep instead.
+NO_SPINNING = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
 
 
 class OrtGenAIStrategy(PeerStrategy):
@@ -107,11 +112,11 @@ def hf_folder(gguf: str) -> Path:
     transformers from the float GGUF file (it restores the q/k rows' order a GGUF file permutes)."""
     folder = weights_dir() / "ortgenai" / f"{Path(gguf).stem}-hf"
     if not (folder / "config.json").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         source = Path(gguf)
-        AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32).save_pretrained(partial)
+        transformers_model(source).save_pretrained(partial)
         AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
         _publish(partial, folder)
     return folder
@@ -153,6 +158,6 @@ def _model(folder: Path, threads: int):
         config = og.Config(str(folder))
         config.clear_providers()  # the CPU
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1, **NO_SPINNING}}}}))
         _MODELS[key] = og.Model(config)
     return _MODELS[key]

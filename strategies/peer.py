@@ -38,6 +38,7 @@ checkpoint (a prompt of real text, prefill=compute): `check_point` refuses the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -165,3 +166,18 @@ def _importable(package: str) -> bool:
 def logits_tensor(values, batch: int, vocab: int) -> torch.Tensor:
     """An engine's float32 logits buffer (anything numpy or torch.frombuffer reads) as a fresh [B, V] tensor."""
     return torch.frombuffer(values, dtype=torch.float32, count=batch * vocab).view(batch, vocab).clone()
+
+
+def transformers_model(gguf: str | Path):
+    """The float GGUF copy read by transformers (which restores the q/k rows' order a GGUF file permutes),
+    for the engines whose converters start from a Hugging Face model. transformers marks a model read from
+    GGUF as quantized by it (a GgufHfQuantizer, which save_pretrained refuses) even though its tensors are
+    dequantized to float32 on reading: the marker is dropped, so the model saves as any float one."""
+    from transformers import AutoModelForCausalLM
+
+    source = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model

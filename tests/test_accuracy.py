@@ -141,3 +141,24 @@ def test_a_random_fill_is_scored_on_its_prompt_files_text(tmp_path):
     assert random["prefill_s"] is None and random["perplexity"] is not None and random["accuracy_windows"] == 2
     for column in ("logit_kl_mean", "top1_agreement", "perplexity", "perplexity_reference"):
         assert random[column] == computed[column], column  # the same windows, whatever the timed run filled
+
+
+def test_a_sweep_over_batches_scores_one_batch_and_the_others_say_which():
+    """accuracy.at_batch: the pass does not depend on the batch, so only that batch's points run it (keyed
+    as if the setting were not there); the others' rows name the batch that holds the scores."""
+    base = ("model=tiny", "strategy=int8", "ctx=16", "decode_tokens=2", "accuracy.tokens=8", "accuracy.steps=4")
+    scored = planned_point(*base, "batch=1", "accuracy.at_batch=1")
+    assert scored.accuracy.at_batch is None and scored.key == planned_point(*base, "batch=1").key
+    other = planned_point(*base, "batch=2", "accuracy.at_batch=1")
+    assert other.accuracy.at_batch == 1 and other.key != planned_point(*base, "batch=2").key
+    got = accuracy(other, other.strategy.instantiate(), cpu_model(other.model))
+    assert got["logit_kl_mean"] is None and "batch=1" in got["accuracy_reference"]
+    exact = planned_point("model=tiny", "strategy=contiguous", "batch=2", "accuracy.at_batch=1")
+    assert exact.accuracy == AccuracyConfig()  # exact strategies run no pass: the setting never splits their keys
+
+
+def test_the_recall_probe_can_be_left_out():
+    point = planned_point("model=tiny", "strategy=int8", "ctx=64", "decode_tokens=2", "accuracy.tokens=16",
+                          "accuracy.steps=8", "accuracy.recall=false")
+    got = accuracy(point, point.strategy.instantiate(), cpu_model(point.model))
+    assert got["accuracy_tokens"] == 16 and got["recall_top1"] is None and got["recall_tokens"] is None

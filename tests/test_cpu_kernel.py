@@ -69,6 +69,23 @@ def test_long_tables_interleave_their_segments_exactly():
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,n_kv,head_dim,length", [(1, 3, 64, 4096), (1, 3, 64, 1024), (1, 3, 128, 1537),
+                                                        (2, 1, 64, 8191), (1, 1, 128, 1023), (4, 3, 64, 2048)])
+def test_few_pairs_over_a_long_table_split_into_parts_exactly(batch, n_kv, head_dim, length):
+    """Fewer (sequence, KV head) pairs than the split's task count (SmolLM2 at batch 1: 3 KV heads) have
+    their keys split into parts, each part's softmax merged by its running max and sum: the same result,
+    every key once (rows past the length are NaN, never read), and the same bits at 1, 2 and 3 threads
+    (the split depends on the pairs and the length only)."""
+    generator = torch.Generator().manual_seed(length)
+    table_k = torch.randn(batch, n_kv, length + 5, head_dim, generator=generator) * 3  # [B, n_kv, S, D]
+    table_v = torch.randn(batch, n_kv, length + 5, head_dim, generator=generator)
+    table_k[:, :, length:] = float("nan")
+    q = torch.randn(batch, n_kv, 3, head_dim, generator=generator)  # [B, n_kv, G, D]
+    expected = F.scaled_dot_product_attention(q, table_k[:, :, :length], table_v[:, :, :length])
+    torch.testing.assert_close(cpu_kernel.decode_attention(q, table_k, table_v, length), expected, rtol=1e-5, atol=1e-5)
+    assert same_at_thread_counts(lambda: cpu_kernel.decode_attention(q, table_k, table_v, length))
+
+
 @pytest.mark.parametrize("head_dim,group,visible", [(64, 2, 700), (128, 4, 700), (64, 4, 300), (40, 4, 700),
                                                     (16, 2, 700), (24, 3, 250)])
 def test_the_output_does_not_depend_on_the_thread_count(head_dim, group, visible):

@@ -97,6 +97,13 @@ class AccuracyConfig:
     # at most `tokens` (harness.config.validate): a step past the tokens scored would score nothing
     steps: int = 64
     batch: int = 16  # windows run together as one batch (a chunk); bounds the pass's memory
+    # Score only the points of this batch: the pass does not depend on a point's batch (its windows run
+    # `batch` at a time in sessions of their own), so a sweep over batches need not pay it once per batch;
+    # the other batches' rows leave the scores null and say which batch holds them. None: every point
+    at_batch: Optional[int] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # The recall probe (windows whose prompts end by repeating an early span): what an evicting cache
+    # drops; false leaves the recall_* columns null and halves the pass, for caches that keep every token
+    recall: bool = field(default=True, metadata=OPTIONAL_IN_KEY)
 
 
 @dataclass

@@ -277,6 +277,8 @@ def validate_accuracy(accuracy) -> None:
         raise ConfigError("accuracy.steps", f"must be at most accuracy.tokens={accuracy.tokens:,} (the tokens scored), "
                                             f"got {accuracy.steps:,}")
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
+    if accuracy.at_batch is not None:
+        positive_int("accuracy.at_batch", accuracy.at_batch)
 
 
 

@@ -88,6 +88,9 @@ def accuracy(point: Point, strategy, model, references: ReferencePasses | None =
                             "prefills its own windows of the text)")
     if point.reference is None:
         return not_measured("no exact reference strategy was chosen for this point")
+    if point.accuracy.at_batch is not None:  # harness.run.resolve keeps it only where the batch differs
+        return not_measured(f"scored at batch={point.accuracy.at_batch} only (accuracy.at_batch): the pass does not "
+                            "depend on the batch, and that batch's row of this variant holds the scores")
     windows = accuracy_windows_of(point, model.device)
     budget = point.strategy.layout.token_budget if point.strategy.layout is not None else 0
     if not scored_after(windows, budget).scored.any():
@@ -98,7 +101,7 @@ def accuracy(point: Point, strategy, model, references: ReferencePasses | None =
     references = references if references is not None else ReferencePasses()
     exact = references.get_or_run(key, reference, model, windows, point.accuracy.batch)
     columns = teacher_forced(strategy, exact, model, scored_after(windows, budget), point.accuracy.batch)
-    recall = recall_windows(windows.prompts.cpu().numpy(), point.accuracy.steps)
+    recall = recall_windows(windows.prompts.cpu().numpy(), point.accuracy.steps) if point.accuracy.recall else None
     probe = scored_after(probe_windows(recall, model.device), budget) if recall is not None else None
     if probe is None or not probe.scored.any():
         columns.update(dict.fromkeys(RECALL_COLUMNS))

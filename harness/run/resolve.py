@@ -98,7 +98,9 @@ def point_from_config(cfg, variant: str = "") -> Point:
         prompt = str(Path(prompt).expanduser().resolve())
     # Exact strategies run no accuracy pass: they carry the default, so accuracy.* never splits their keys.
     accuracy = AccuracyConfig() if strategy.exact else AccuracyConfig(**OmegaConf.to_container(cfg.accuracy))
-    scored = accuracy if not strategy.exact else None
+    if accuracy.at_batch == cfg.batch:  # scored here: keyed as a point without at_batch, its row any sweep's
+        accuracy = dataclasses.replace(accuracy, at_batch=None)
+    scored = accuracy if not strategy.exact and accuracy.at_batch is None else None
     if scored is not None:
         accuracy_fits(model, dtype, device, cfg.ctx, scored)
     return Point(

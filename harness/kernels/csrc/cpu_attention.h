@@ -88,9 +88,9 @@ static __attribute__((noinline)) void attend_generic(const float *q, const kv_ro
 static inline __attribute__((always_inline)) void attend_pair(const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length,
                                int64_t visible, int64_t dim, float scale) {
     if (dim == 64)
-        attend_fixed(q, rows, out, group, length, visible, scale, 64 / LANES);
+        attend_fixed(q, rows, out, group, length, visible, scale, 64 / LANES, NULL, NULL);
     else if (dim == 128)
-        attend_fixed(q, rows, out, group, length, visible, scale, 128 / LANES);
+        attend_fixed(q, rows, out, group, length, visible, scale, 128 / LANES, NULL, NULL);
     else
         attend_generic(q, rows, 1, out, group, length, visible, dim, scale);
 }

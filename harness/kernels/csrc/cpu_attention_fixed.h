@@ -47,10 +47,13 @@ static inline void block_rows(const kv_rows *rows, int64_t index, int64_t interl
     }
 }
 
-/* One (sequence, KV head) with head dimension LANES * lines: out[g] = softmax(scale * q[g] . K^T) V. */
+/* One (sequence, KV head) with head dimension LANES * lines: out[g] = softmax(scale * q[g] . K^T) V.
+ * With `part_max` and `part_sum` (NULL where it is inlined without them), each query row's running max
+ * and sum of weights are stored too: what it takes to merge outputs over parts of one table
+ * (cpu_decode_attention.c). */
 static inline __attribute__((always_inline)) void attend_fixed(
         const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length, int64_t visible, float scale,
-        const int lines) {
+        const int lines, float *part_max, float *part_sum) {
     const int64_t dim = LANES * lines;
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK];
     vec acc[MAX_GROUP][MAX_DIM / LANES];
@@ -124,6 +127,10 @@ static inline __attribute__((always_inline)) void attend_fixed(
         float inverse = 1.0f / running_sum[g];
 #pragma GCC unroll 16
         for (int c = 0; c < lines; c++) store_vec(out + g * dim + LANES * c, acc[g][c] * inverse);
+        if (part_max != NULL) {
+            part_max[g] = running_max[g];
+            part_sum[g] = running_sum[g];
+        }
     }
 }
 
