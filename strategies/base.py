@@ -139,6 +139,10 @@ class Strategy(ABC):
     # position: its kernels are torch ops or registered custom ops (an opaque foreign call is neither). Opt-in:
     # compile=inductor makes a point of a strategy that does not declare it a skipped row.
     compilable: ClassVar[bool] = False
+    # Most sequences one session decodes one teacher-forced token at a time (an engine whose API takes
+    # new tokens for several sequences only once: ONNX Runtime GenAI); None: any batch. The accuracy
+    # pass runs its windows in sessions of at most this many; a timed point above it is skipped.
+    forced_batch_limit: ClassVar[int | None] = None
 
     def __init__(self, backend: str = "auto"):
         allowed = ("auto", *self.backend_names())

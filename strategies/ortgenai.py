@@ -43,6 +43,10 @@ class OrtGenAIStrategy(PeerStrategy):
     step_granularity = "token"
     kv_types: ClassVar[dict[str, KVType]] = {"fp32": KVType("float32")}
     exact_kv_types = ("fp32",)
+    # Generator.append_tokens takes new tokens for a batch above 1 once (its prompt); after that only its
+    # own search advances it ("AppendTokens can only be called once for batch_size > 1"), so the harness's
+    # token cannot be fed to several sequences a step
+    forced_batch_limit = 1
     backends = (engine_backend("onnxruntime_genai", "ONNX Runtime CPU EP ({kv_type} KV)"),)
 
     def __init__(self, backend: str = "auto", kv_type: str = "fp32"):
@@ -61,6 +65,9 @@ class OrtGenAIStrategy(PeerStrategy):
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
         import onnxruntime_genai as og
 
+        if batch > self.forced_batch_limit:
+            raise StrategyUnavailable(f"{self.engine} takes a fed token for one sequence a step, not {batch}: "
+                                      "AppendTokens can only be called once for batch_size > 1 (its own words)")
         engine_model = _model(built_model(self.engine_weights(model)), torch.get_num_threads())
         params = og.GeneratorParams(engine_model)
         try:

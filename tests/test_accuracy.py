@@ -73,6 +73,42 @@ def test_only_the_scored_tokens_count_and_chunks_change_nothing():
     assert whole["logit_kl_mean"] != pytest.approx(score(WrongScaleStrategy(backend="sdpa"), windows)["logit_kl_mean"])
 
 
+class OneSequenceWrongScale(WrongScaleStrategy):
+    """An engine whose sessions take one fed sequence at a time (strategies.base.forced_batch_limit)."""
+
+    forced_batch_limit = 1
+
+    def new_session(self, model, batch, max_len):
+        assert batch <= 1, f"a session of {batch} sequences"
+        return super().new_session(model, batch, max_len)
+
+
+def test_a_strategy_that_takes_one_sequence_a_session_is_scored_window_by_window_alike():
+    """The reference's chunks of 3 windows, the strategy's sessions of 1: the same scores."""
+    assert score(OneSequenceWrongScale(backend="sdpa")) == pytest.approx(score(WrongScaleStrategy(backend="sdpa")), rel=1e-9)
+
+
+def test_a_member_whose_accuracy_pass_raises_keeps_its_timed_row_and_the_group_goes_on(monkeypatch):
+    """One member's pass failing (an engine refusing what the pass asks) names the error in its row's
+    accuracy_reference; its steps, and every other member's row, stand."""
+    from harness.measure import group
+    from harness.measure.group import GroupRequest, measure_group
+
+    def refusing(point, strategy, model, references=None):
+        if point.strategy.name == "int4":
+            raise RuntimeError("the engine refuses")
+        return accuracy(point, strategy, model, references)
+
+    monkeypatch.setattr(group, "accuracy", refusing)
+    points = tuple(dataclasses.replace(planned_point("model=tiny", f"strategy={name}", "ctx=16", "decode_tokens=2",
+                                                     "accuracy.tokens=8", "accuracy.steps=4", "device=cpu"),
+                                       interleave="shape") for name in ("contiguous", "int8", "int4"))
+    exact, int8, int4 = measure_group(GroupRequest("refusing", points))
+    assert exact["status"] == int8["status"] == int4["status"] == "ok"
+    assert int8["logit_kl_mean"] is not None and int4["decode_step_s"] is not None
+    assert int4["logit_kl_mean"] is None and "the engine refuses" in int4["accuracy_reference"]
+
+
 def test_every_scored_token_is_a_one_token_decode_step():
     """The strategy's scored logits are those of its own decode steps after the prompt's prefill, never
     of a multi-token call (which would let a chunk's tokens see each other's K/V at full width)."""

@@ -35,9 +35,15 @@ def test_the_fp32_member_runs_in_the_group_beside_the_exact_cache():
                                        interleave="shape") for name in names)
     row = measure_group(GroupRequest("ortgenai", points))[1]
     assert row["engine"] == "ONNX Runtime GenAI" and row["step_granularity"] == "token", row
-    assert row["status"] in ("ok", "failed"), row["reason"]
+    # failed only by disagreeing with the exact cache, by name; its accuracy pass scores its 2 windows one
+    # session each (its API feeds one sequence a step: forced_batch_limit)
+    assert row["status"] == "ok" or row["reason"].startswith("Disagreement"), row["reason"]
     if row["status"] == "ok":
         assert row["agreement_logit_rel"] <= row["agreement_logit_rel_bound"]
+        assert row["logit_kl_mean"] is not None and row["accuracy_windows"] == 2, row["accuracy_reference"]
+    wide = dataclasses.replace(points[1], batch=2)
+    skipped = measure_group(GroupRequest("ortgenai-b2", (dataclasses.replace(points[0], batch=2), wide)))[1]
+    assert skipped["status"] == "skipped" and "batch_size > 1" in skipped["reason"], skipped["reason"]
 
 
 @pytest.mark.slow

@@ -150,13 +150,17 @@ def scored_steps(strategy, exact: ReferencePass, model, windows: Windows, chunk:
     names = ("kl", "agree", "nll_exact", "nll_strategy", "hit_exact", "hit_strategy")
     per_token = {name: np.zeros((n_windows, steps)) for name in names}
     max_abs = 0.0
-    for index, rows in enumerate(_chunks(windows, chunk)):
+    width = strategy.forced_batch_limit or chunk  # sequences a session of this strategy takes
+    parts = ((index, rows, slice(start, start + width)) for index, rows in enumerate(_chunks(windows, chunk))
+             for start in range(0, windows.prompts[rows].shape[0], width))
+    for index, chunk_rows, part in parts:  # `part`: rows of the reference's chunk `index`
+        rows = slice(chunk_rows.start + part.start, min(chunk_rows.start + part.stop, chunk_rows.stop, n_windows))
         prompts = windows.prompts[rows]  # [b, ctx]
         session = strategy.new_session(model, prompts.shape[0], prompts.shape[1] + steps)
         session.prefill(prompts)
         for j in range(steps):
-            exact_logits = exact.logits[index][j].double()  # [b, V]
-            logits = session.step(exact.fed[index][:, j]).double()  # [b, V]
+            exact_logits = exact.logits[index][j][part].double()  # [b, V]
+            logits = session.step(exact.fed[index][part, j]).double()  # [b, V]
             log_p, log_q = exact_logits.log_softmax(-1), logits.log_softmax(-1)
             per_token["kl"][rows, j] = (log_p.exp() * (log_p - log_q)).sum(-1).cpu().numpy()
             per_token["agree"][rows, j] = (exact_logits.argmax(-1) == logits.argmax(-1)).cpu().numpy()

@@ -75,6 +75,12 @@ def start_decode(point: Point, new_session, generator: torch.Generator, timer: S
     return held["session"], held["logits"].argmax(-1), rounds
 
 
+def accuracy_failed(error: BaseException) -> dict:
+    """The accuracy columns of a member whose pass raised (an engine refusing what the pass asks of it):
+    null, the error named where the reason for null scores goes. Its timed steps stand: they ran."""
+    return not_measured(f"the accuracy pass failed: {type(error).__name__}: {str(error)[:300]}")
+
+
 def accuracy(point: Point, strategy, model, references: ReferencePasses | None = None) -> dict:
     """The accuracy columns (harness.measure.accuracy): measured for a strategy that is not exact, on
     windows it prefills itself (the prompt's text, or with prefill=compute and no prompt file seeded

@@ -35,7 +35,7 @@ from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
 from harness.measure.agreement import NOT_CHECKED, judge_kl
-from harness.measure.decoding import PREFILL, accuracy, tokens_digest
+from harness.measure.decoding import PREFILL, accuracy, accuracy_failed, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
@@ -119,7 +119,10 @@ class _GroupRun:
                     for i, member in enumerate(self.members)]
         for member, outcome in zip(self.members, outcomes):  # every session freed first: one at a time
             if member.live:
-                outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0], references))
+                try:
+                    outcome.update(accuracy(member.point, member.strategy, self.model_for(member.point)[0], references))
+                except Exception as error:  # noqa: BLE001 - one member's pass failing is its row, not the group's
+                    outcome.update(accuracy_failed(error))
                 outcome.update(judge_kl(outcome, member.strategy))
         return outcomes
 
