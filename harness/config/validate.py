@@ -333,18 +333,6 @@ def known_keys(cfg, schema=RunConfig) -> None:
         raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
 
 
-def composition_refusal(message: str) -> Optional[ConfigError]:
-    """Hydra's and OmegaConf's refusals whose words name no fix, said on the key with what is allowed:
-    `+key=value` for a key the config has, null for a key that takes none."""
-    found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
-    if found:
-        return ConfigError(found.group(1), "is a key already: set it without '+'")
-    found = re.search(r"field '([^']+)' is not Optional", message)
-    if found:
-        return ConfigError(found.group(1), "cannot be null: give it a value")
-    return None
-
-
 def validate_run(cfg, cuda_available) -> None:
     """Raise ConfigError for the first bad value of a composed RunConfig (the strategy's own options
     are checked by its class, in harness.run.resolve).
