@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from harness.config.schema import RunConfig, unknown_key
 from harness.config.texts import is_builtin_text
-from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
+from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of, not_a_checkpoint
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -183,15 +183,14 @@ def checkpoint_path(key: str, value: Any) -> Path:
     harness.model.checkpoint's to check."""
     try:
         path = checkpoint_location(_path_text(key, value, "a checkpoint folder or GGUF file"))
-        kind = kind_of(path)
+        refused = not_a_checkpoint(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
     except OSError as error:
         raise ConfigError(key, f"cannot read '{value}': {error.strerror or first_line(error)}") from None
-    if kind == "a file" and path.suffix == ".gguf" or kind == "a folder":
-        return path
-    raise ConfigError(key, f"'{path}' is {kind}{', not a .gguf one' if kind == 'a file' else ''}: name a Hugging Face "
-                           "format folder or a GGUF file")
+    if refused:
+        raise ConfigError(key, refused)
+    return path
 
 
 def output_folder(key: str, value: Any) -> Path:
