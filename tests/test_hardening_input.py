@@ -44,6 +44,7 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     ([f"model.vocab_size={2**31 - 1}", f"model.d_model={2**31 - 2}", "model.head_dim=2"], "model"),  # weight_bytes
     (["-m", "model=glob(*)"], "model"),  # the glob also matches model_schema
     (["-m", "model=tiny,[tiny,cpu_small]"], "model"),  # a sweep's list value: merged both presets, ran cpu_small's
+    (["hardware=h100_sxm"], "hardware"),  # a group of the analytic CLI only: was "config: unknown key"
     (["calibration_budget_s=0"], "calibration_budget_s"),
     (["calibration_budget_s=nan"], "calibration_budget_s"),
     (["+batchs=4"], "batchs"),  # a key added with `+` that no schema names: carried along unread before
