@@ -43,6 +43,8 @@ from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
     (["-m", f"batch=1,{2**62}"], "batch"),  # fits int64, its row's cache bytes would not
     ([f"model.vocab_size={2**31 - 1}", f"model.d_model={2**31 - 2}", "model.head_dim=2"], "model"),  # weight_bytes
     (["-m", "model=glob(*)"], "model"),  # the glob also matches model_schema
+    (["-m", "model=tiny,[tiny,cpu_small]"], "model"),  # a sweep's list value: merged both presets, ran cpu_small's
+    (["hardware=h100_sxm"], "hardware"),  # a group of the analytic CLI only: was "config: unknown key"
     (["calibration_budget_s=0"], "calibration_budget_s"),
     (["calibration_budget_s=nan"], "calibration_budget_s"),
     (["+batchs=4"], "batchs"),  # a key added with `+` that no schema names: carried along unread before
@@ -98,17 +100,36 @@ def analytic(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("override,says", [
-    ("+batch=4", "batch: is a key already: set it without '+'"),
-    ("batch=null", "batch: cannot be null: give it a value"),
-    ("timing.warmup_max=null", "timing.warmup_max: cannot be null: give it a value"),
-    ("+timing.warmup=2", "timing.warmup: is not a key; allowed in timing: cold_cache, cuda_graphs,"),
+# Hydra's own answers (harness.config.overrides): said alike by both CLIs; `sweep`: what the runner's line
+# (which sweeps with -m) ends with besides.
+@pytest.mark.parametrize("override,says,sweep", [
+    ("+batch=4", "batch: is a key already: set it without '+'", ""),
+    ("batch=null", "batch: cannot be null: give it a value", ""),
+    ("timing.warmup_max=null", "timing.warmup_max: cannot be null: give it a value", ""),
+    ("+timing.warmup=2", "timing.warmup: is not a key; allowed in timing: cold_cache, cuda_graphs,", ""),
+    # Hydra's lexer's exception name before ("command line: LexerNoViableAltException: strategy=contigüous")
+    ("strategy=contigüous", "strategy: unknown option 'contigüous', allowed: contiguous, dynamic,", ""),
+    ("dtype=flöat", "dtype: cannot read 'flöat' (Hydra's override grammar stops at 'ö'): a value is letters,", ""),
+    ("dtype=x;y", "dtype: cannot read 'x;y' (Hydra's override grammar stops at ';'): a value is", ""),
+    ("batch=1)", "batch: cannot read '1)' (Hydra's override grammar stops at ')'): a value is", ""),  # "Error parsing"
+    ("mödel=tiny", "mödel: cannot be read as a key (Hydra's override grammar stops at 'ö'): a key is", ""),
+    ("strategy=[a,b]", "strategy: a list is not a strategy: name one option, allowed: contiguous,",  # "Could not load"
+     "; a sweep over several is -m strategy=a,b"),
+    ("model=[tiny,cpu_small]", "model: a list is not a model: name one option, allowed: cpu_small,",  # ran cpu_small
+     "; a sweep over several is -m model=tiny,cpu_small"),
+    ("strategy={a:1}", "strategy: a mapping is not a strategy: name one option and set its options", ""),
+    ("strategy=null", "strategy: cannot be null: a config group takes one of its options by name, allowed:", ""),
+    ("batch=[1,2]", "batch: takes one integer, not a list ([1, 2])", "; a sweep over several is -m batch=1,2"),
+    ("dtype={a:1}", "dtype: takes one string, not a mapping ({'a': 1})", ""),  # "Cannot convert 'dict' to string"
+    ("model.n_layers=[1]", "model.n_layers: takes one integer, not a list ([1])", "; a sweep over several is -m "
+                                                                                  "model.n_layers=a,b"),
 ])
-def test_hydras_composition_refusals_say_what_is_allowed(override, says):
-    assert refusal(override).startswith(says)
+def test_hydras_refusals_say_what_is_allowed(override, says, sweep):
+    line = refusal(override)
+    assert line.startswith(says) and line.endswith(sweep), line
     if "timing" not in override:  # the analytic CLI has no timing keys
         code, _, err = analytic("model=llama3_8b", override)
-        assert code == 2 and err.strip() == says, err
+        assert code == 2 and only_line(err).startswith(says) and not (sweep and sweep in err), err
 
 
 @pytest.mark.parametrize("args,key", [
@@ -219,7 +240,8 @@ def test_hydras_run_folder_is_unique_per_process():
 # The CLI's own main() (in process: tests/conftest.py, refused_by_runner), from a fresh working directory.
 @pytest.mark.parametrize("args", [["results_dir="], ["results_dir=   "], ["hydra.run.dir=/tmp/harness-elsewhere"],
                                   ["hydra.job.chdir=true"], ["-m", "model=glob(*)"], [f"seed={2**64}"],
-                                  ["+timing.warmup=2"]])
+                                  ["+timing.warmup=2"], ["strategy=contigüous"], ["strategy=[a,b]"],
+                                  ["model=[tiny,cpu_small]"], ["-m", "strategy=null,contiguous"]])
 def test_runner_cli_refuses_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args):
     before = set(os.listdir("/"))
     monkeypatch.chdir(tmp_path)

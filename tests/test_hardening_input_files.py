@@ -162,6 +162,13 @@ def mixed(tmp_path):
     return f"prompt={path}"
 
 
+def made(tmp_path, name: str, folder: bool = False, text: str = ""):
+    """`model.checkpoint=` a folder or a file named `name` (holding `text`) in tmp_path."""
+    path = tmp_path / name
+    path.mkdir() if folder else path.write_text(text)
+    return f"model.checkpoint={path}"
+
+
 NAMES = {  # name -> (overrides given tmp_path, the key, what the line says, what it must not say)
     "strategy.residual of 2^40": (lambda tmp: ["strategy=quantized", f"strategy.residual={2**40}"],
                                   "strategy.residual", "choose a smaller strategy.residual", "model, batch"),
@@ -181,6 +188,18 @@ NAMES = {  # name -> (overrides given tmp_path, the key, what the line says, wha
     "an empty checkpoint": (lambda tmp: ["model.checkpoint= "], "model.checkpoint", "GGUF file", "name a folder"),
     "results_dir=/dev/null": (lambda tmp: ["results_dir=/dev/null"], "results_dir", "character device", "a file"),
     "a 100 KB model.name": (lambda tmp: [f"model.name={'x' * 100_000}/"], "model.name", "...", "x" * 2000),
+    # A checkpoint named like what it is not: each was "has no config.json" or "a file, not a .gguf one" before.
+    "a folder named x.gguf": (lambda tmp: [made(tmp, "x.gguf", folder=True)], "model.checkpoint",
+                              "is a folder, not a GGUF file, and holds no config.json; allowed: a .gguf file, or a "
+                              "Hugging Face format folder (config.json and *.safetensors)", "has no config.json"),
+    "a folder named x.safetensors": (lambda tmp: [made(tmp, "x.safetensors", folder=True)], "model.checkpoint",
+                                     "is a folder without config.json; allowed: a .gguf file", "has no"),
+    "a config.json file": (lambda tmp: [made(tmp, "config.json", text="{}")], "model.checkpoint",
+                           "is one file of a Hugging Face format folder: name the folder", "not a .gguf one"),
+    "a .safetensors file": (lambda tmp: [made(tmp, "model.safetensors", text="x")], "model.checkpoint",
+                            "is one file of a Hugging Face format folder: name the folder", "not a .gguf one"),
+    "an empty x.gguf": (lambda tmp: [made(tmp, "x.gguf")], "model.checkpoint", "cannot be read as GGUF: the file is empty",
+                        "folder"),
 }
 
 

@@ -35,7 +35,8 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.validate import (bounded_tree, composition_refusal, first_line, interpolations_resolve, known_keys,
+from harness.config.overrides import composition_refusal, named_options, parsed_overrides, unknown_option
+from harness.config.validate import (bounded_tree, first_line, interpolations_resolve, known_keys,
                                      one_of, positive_float, safe_name, target_class, validate_workload)
 
 CONF_DIR = config_dir()
@@ -69,24 +70,22 @@ class UsageError(ValueError):
 
 
 def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return named_options(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def _check_overrides(overrides: list[str]) -> None:
-    """Name an unknown model=/hardware= choice with the allowed ones (Hydra's own message is a page),
-    and the override Hydra cannot parse (its own message does not say which)."""
+    """Each override readable by Hydra, a group given one of its options (Hydra's own message for an
+    unknown one is a page): harness.config.overrides, as for the runner."""
     parser = OverridesParser.create()
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if sep and key in GROUPS and value not in _options(key):
-            raise UsageError(f"{key}: unknown '{value}', allowed: {', '.join(_options(key))}")
-        if not sep:
-            raise UsageError(f"{override}: expected key=value (--help lists them), keys: "
-                             f"{', '.join(AnalyticConfig.__dataclass_fields__)}")
-        try:
-            parser.parse_override(override)
-        except Exception:  # OverrideParseException: the grammar's message names no key
-            raise UsageError(f"{key}: cannot parse '{value}' (Hydra override syntax: key=value)") from None
+    try:
+        for override in parsed_overrides(parser, overrides, GROUPS, _options, sweeps=False,
+                                         usage=f" (--help lists them), keys: {', '.join(AnalyticConfig.__dataclass_fields__)}"):
+            group, value = override.key_or_group, None if override.is_delete() else override.value()
+            option = value if isinstance(value, str) else override.get_value_element_as_str()  # null, 1 as written
+            if group in GROUPS and value is not None and option not in _options(group):
+                raise unknown_option(group, option, _options(group))
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
 
 
 def compose(overrides: list[str]):
@@ -114,7 +113,7 @@ def _one_line(error: Exception) -> str:
         key = unknown.group(1)
         parent, _, _ = key.rpartition(".")
         return f"{key}: unknown key, allowed: {', '.join(_fields(parent))}"
-    said = composition_refusal(first) or (error.__cause__ and composition_refusal(first_line(error.__cause__, typed=False)))
+    said = composition_refusal(error, sweeps=False)
     if said:
         return str(said)
     merging = re.match(r"Error merging override ([^=]+)=(.*)", first)

@@ -6,8 +6,11 @@ import importlib.util
 import stat
 import sys
 from pathlib import Path
+from typing import Optional
 
 PACKAGE_SCHEME = "pkg:"  # model.checkpoint=pkg:PACKAGE/FILE: FILE inside the installed Python package PACKAGE
+CHECKPOINT_FORMS = "a .gguf file, or a Hugging Face format folder (config.json and *.safetensors)"
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")  # a folder's weights and their index, beside config.json
 
 
 class LocationError(ValueError):
@@ -80,3 +83,20 @@ def kind_of(path: Path) -> str:
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO (a named pipe)"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((what for test, what in kinds if test(mode)), "neither a file nor a folder")
+
+
+def not_a_checkpoint(path: Path) -> Optional[str]:
+    """Why `path` cannot be a checkpoint by what it is and how it is named, None where it can (a .gguf
+    file, a folder holding config.json; the contents are harness.model.checkpoint's to check): the plan's
+    check and the reader's. A folder named like a file, or one file of a folder, is said as what it is."""
+    kind = kind_of(path)
+    if kind == "a file" and path.suffix == ".gguf" or kind == "a folder" and (path / "config.json").is_file():
+        return None
+    if kind == "a folder":
+        what = "is a folder, not a GGUF file, and holds no config.json" if path.suffix == ".gguf" else \
+            "is a folder without config.json"
+    elif kind == "a file" and (path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES)):
+        what = f"is one file of a Hugging Face format folder: name the folder ('{path.parent}')"
+    else:
+        what = f"is {kind}{', not a .gguf one' if kind == 'a file' else ''}"
+    return f"'{path}' {what}; allowed: {CHECKPOINT_FORMS}"

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from harness.config.schema import RunConfig, unknown_key
 from harness.config.texts import is_builtin_text
-from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of
+from harness.config.paths import LocationError, checkpoint_location, expanded, kind_of, not_a_checkpoint
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -183,15 +183,14 @@ def checkpoint_path(key: str, value: Any) -> Path:
     harness.model.checkpoint's to check."""
     try:
         path = checkpoint_location(_path_text(key, value, "a checkpoint folder or GGUF file"))
-        kind = kind_of(path)
+        refused = not_a_checkpoint(path)
     except LocationError as error:
         raise ConfigError(key, str(error)) from None
     except OSError as error:
         raise ConfigError(key, f"cannot read '{value}': {error.strerror or first_line(error)}") from None
-    if kind == "a file" and path.suffix == ".gguf" or kind == "a folder":
-        return path
-    raise ConfigError(key, f"'{path}' is {kind}{', not a .gguf one' if kind == 'a file' else ''}: name a Hugging Face "
-                           "format folder or a GGUF file")
+    if refused:
+        raise ConfigError(key, refused)
+    return path
 
 
 def output_folder(key: str, value: Any) -> Path:
@@ -333,18 +332,6 @@ def known_keys(cfg, schema=RunConfig) -> None:
         key, allowed = unknown
         parent = key.rpartition(".")[0]
         raise ConfigError(key, f"is not a key; allowed{' in ' + parent if parent else ''}: {', '.join(allowed)}")
-
-
-def composition_refusal(message: str) -> Optional[ConfigError]:
-    """Hydra's and OmegaConf's refusals whose words name no fix, said on the key with what is allowed:
-    `+key=value` for a key the config has, null for a key that takes none."""
-    found = re.search(r"Could not append to config\. An item is already at '([^']+)'", message)
-    if found:
-        return ConfigError(found.group(1), "is a key already: set it without '+'")
-    found = re.search(r"field '([^']+)' is not Optional", message)
-    if found:
-        return ConfigError(found.group(1), "cannot be null: give it a value")
-    return None
 
 
 def validate_run(cfg, cuda_available) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.config import ModelConfig
-from harness.config.paths import LocationError, checkpoint_location, kind_of
+from harness.config.paths import LocationError, checkpoint_location, not_a_checkpoint
 from harness.model import gguf_file
 from harness.model.checkpoint_fields import CheckpointError, config_shape, read_json_object, shown
 from harness.model.safetensors_header import INDEX, read_header, weight_files
@@ -99,19 +99,18 @@ def read_checkpoint(location: str | Path) -> Checkpoint:
         path = checkpoint_location(str(location))
     except LocationError as error:
         raise CheckpointError(str(error)) from None
-    if path.is_file() and path.suffix == ".gguf":
+    refused = not_a_checkpoint(path)
+    if refused:
+        raise CheckpointError(refused)
+    if path.is_file():
         return _read_gguf(path, (path.stat().st_size, path.stat().st_mtime_ns))
-    if not path.is_dir():
-        raise CheckpointError(f"'{location}' is {kind_of(path)}; allowed: a Hugging Face format folder or a .gguf file")
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file())
     return _read_checkpoint(path, stamp)
 
 
 @functools.lru_cache(maxsize=8)
 def _read_checkpoint(path: Path, _stamp: tuple) -> Checkpoint:
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"'{path}' has no config.json: not a Hugging Face format checkpoint folder")
+    config_path = path / "config.json"  # there (read_checkpoint)
     config_bytes, config = read_json_object(config_path)
     shape, window = config_shape(config, lambda field: f"'{config_path}': {field}", default_name(path), str(path))
     files, weight_map = weight_files(path)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import re
 
 from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.config.validate import ConfigError, composition_refusal, first_line, interpolations_resolve
+from harness.config.overrides import SCHEMA_SUFFIX, composition_refusal, parsed_overrides, unknown_option
+from harness.config.validate import ConfigError, first_line, interpolations_resolve
 from harness.run.grouping import GROUP_KEY
 
 CONFIG_NAME = "config"
@@ -25,7 +27,8 @@ VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through
 # Hydra keys a command line may set: none of them moves the working directory or the output.
 HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
 LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
-SCHEMA_SUFFIX = "_schema"  # harness.config.schema.register_schemas' entries: schemas, not presets
+GROUPS = ("model", "strategy")  # conf/config.yaml's config groups: each point picks one option of each by name
+SEARCH_PATH = "hydra.searchpath"  # where a group's options also are (extra config folders)
 # Hydra settings that decide where its files go or where a job runs: a preset may not change them.
 OUTPUT_SETTINGS = ("run.dir", "sweep.dir", "sweep.subdir", "job.chdir", "output_subdir",
                    "job_logging.handlers.file.filename", "launcher.submitit_folder", "sweeper._target_")
@@ -49,10 +52,20 @@ def hydra_order(argv: list[str]) -> list[str]:
 
 
 def parse_overrides(parser: OverridesParser, overrides: list[str]):
+    """The overrides parsed, ConfigError on the first Hydra cannot read or that gives a group a list
+    (harness.config.overrides)."""
+    return parsed_overrides(parser, overrides, GROUPS, lambda group: group_options(group, overrides),
+                            sweeps=True, usage=" (python -m harness.run --cfg job prints the keys)")
+
+
+def group_options(group: str, overrides: list[str]) -> list[str]:
+    """The options of `group` where this command line's search path puts them (Hydra's own listing)."""
+    loader = GlobalHydra.instance().config_loader()
+    searchpath = [o for o in overrides if o.lstrip("+").split("=", 1)[0] == SEARCH_PATH]
     try:
-        return parser.parse_overrides(overrides)
-    except HydraException as error:
-        raise ConfigError("command line", first_line(error, typed=False)) from None
+        return loader.get_group_options(group, config_name=CONFIG_NAME, overrides=searchpath)
+    except HydraException:  # the search path itself is bad (its own refusal follows): the shipped options
+        return loader.get_group_options(group)
 
 
 def check_hydra_keys(parsed) -> None:
@@ -115,10 +128,8 @@ def compose_config(overrides: list[str], with_hydra: bool):
         raise missing_option(error) from None
     except (HydraException, OmegaConfBaseException) as error:
         raise composition_error(error) from None
-    except ValueError as error:  # Hydra's answer to a config group set to null (strategy=null)
-        nulled = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.endswith("=null") and "." not in o.split("=", 1)[0]]
-        raise ConfigError(nulled[0] if nulled else "command line",
-                          f"{first_line(error, typed=False)}: a config group takes one of its options by name") from None
+    except ValueError as error:  # Hydra's answer to a config group a preset sets to null (the command line's: parse_overrides)
+        raise ConfigError("config", f"{first_line(error, typed=False)}: a config group takes one of its options by name") from None
     # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
     # (its other fields are filled as a job starts).
     settable = {re.split(r"[./]", key)[1] for key in HYDRA_KEYS_ALLOWED}
@@ -130,9 +141,8 @@ def missing_option(error: MissingConfigException) -> ConfigError:
     """`model=foo` -> "model: unknown option 'foo', allowed: cpu_small, llama3_8b, ..."."""
     missing = error.missing_cfg_file or ""
     group, _, option = missing.rpartition("/")
-    allowed = [o for o in (error.options or []) if not o.endswith("_schema")]
-    if group and allowed:
-        return ConfigError(group, f"unknown option '{option}', allowed: {', '.join(sorted(allowed))}")
+    if group and error.options:
+        return unknown_option(group, option, error.options)
     return ConfigError(group or "config", first_line(error, typed=False))
 
 
@@ -141,11 +151,13 @@ def composition_error(error: Exception) -> ConfigError:
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
     message = first_line(cause, typed=False)
-    said = composition_refusal(first_line(error, typed=False)) or composition_refusal(message)
+    said = composition_refusal(error, sweeps=True)
     if said:
         return said
     if "is not in struct" in str(cause) or "Could not override" in str(error):
         message = f"unknown key ({first_line(error, typed=False)})"
+        named = re.match(r"Could not override '([^']+)'", first_line(error, typed=False))  # a group of no defaults list
+        key = key or (named and named.group(1))
     elif "could not be converted" in message or "Value '" in message:
         message = f"wrong type: {message}"
     return ConfigError(str(key) if key else "config", message)
