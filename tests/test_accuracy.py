@@ -74,7 +74,7 @@ def test_only_the_scored_tokens_count_and_chunks_change_nothing():
 
 
 class OneSequenceWrongScale(WrongScaleStrategy):
-    """An engine whose sessions take one fed sequence at a time (strategies.base.forced_batch_limit)."""
+    """An engine whose sessions take one fed sequence at a time (strategies.base.Strategy.forced_batch_limit)."""
 
     forced_batch_limit = 1
 
