@@ -25,7 +25,9 @@ type under conf/strategy/):
 - Threads: the engine gets `torch.get_num_threads()` (the point's `threads`), and its worker threads
   must not spin while another member's step runs (an A/A pair of one engine member reads ~1.0).
 - A KV type or batch the engine cannot run at a point: raise StrategyUnavailable from `new_session`
-  with the engine's reason: a skipped row (harness.measure.member).
+  with the engine's reason: a skipped row (harness.measure.member). An engine that takes fed tokens
+  for fewer sequences a step than the accuracy pass's chunk also declares `forced_batch_limit`
+  (strategies.base.Strategy): the pass then runs its windows in sessions of at most that many.
 - step_granularity "decode" (an engine whose API has no single-token step): its session still
   implements the protocol above so the accuracy pass and the agreement check run; its rows say
   "decode" so a reader knows each timed call covered the engine's own loop.
