@@ -98,12 +98,13 @@ def test_a_member_whose_accuracy_pass_raises_keeps_its_timed_row_and_the_group_g
     from harness.measure.group import GroupRequest, measure_group
 
     def refusing(point, strategy, model, references=None):
-        if point.strategy.name == "int4":
+        if point.strategy.variant == "int4":
             raise RuntimeError("the engine refuses")
         return accuracy(point, strategy, model, references)
 
     monkeypatch.setattr(group, "accuracy", refusing)
-    points = tuple(dataclasses.replace(planned_point("model=tiny", f"strategy={name}", "ctx=16", "decode_tokens=2",
+    points = tuple(dataclasses.replace(planned_point("model=tiny", "model.d_model=128", f"strategy={name}", "ctx=16",
+                                                     "decode_tokens=2",
                                                      "accuracy.tokens=8", "accuracy.steps=4", "device=cpu"),
                                        interleave="shape") for name in ("contiguous", "int8", "int4"))
     exact, int8, int4 = measure_group(GroupRequest("refusing", points))
