@@ -197,6 +197,19 @@ def test_a_sweep_over_batches_scores_one_batch_and_the_others_say_which():
     assert exact.accuracy == AccuracyConfig()  # exact strategies run no pass: the setting never splits their keys
 
 
+def test_a_sweep_over_contexts_scores_up_to_max_ctx_and_the_longer_ones_say_so():
+    """accuracy.max_ctx: points of a longer ctx leave the scores null (keyed apart) and say up to which ctx
+    the variant was scored; the points within it are keyed as if the setting were not there."""
+    base = ("model=tiny", "strategy=int8", "decode_tokens=2", "accuracy.tokens=8", "accuracy.steps=4")
+    scored = planned_point(*base, "ctx=16", "accuracy.max_ctx=16")
+    assert scored.accuracy.max_ctx is None and scored.key == planned_point(*base, "ctx=16").key
+    longer = planned_point(*base, "ctx=32", "accuracy.max_ctx=16")
+    assert longer.accuracy.max_ctx == 16 and longer.key != planned_point(*base, "ctx=32").key
+    got = accuracy(longer, longer.strategy.instantiate(), cpu_model(longer.model))
+    assert got["logit_kl_mean"] is None and "ctx=16" in got["accuracy_reference"]
+    assert accuracy(scored, scored.strategy.instantiate(), cpu_model(scored.model))["logit_kl_mean"] is not None
+
+
 def test_the_recall_probe_can_be_left_out():
     point = planned_point("model=tiny", "strategy=int8", "ctx=64", "decode_tokens=2", "accuracy.tokens=16",
                           "accuracy.steps=8", "accuracy.recall=false")

@@ -101,6 +101,10 @@ class AccuracyConfig:
     # `batch` at a time in sessions of their own), so a sweep over batches need not pay it once per batch;
     # the other batches' rows leave the scores null and say which batch holds them. None: every point
     at_batch: Optional[int] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    # Score only the points of at most this ctx: each window's prompt is prefilled once per scored variant,
+    # so a long context's pass costs a long prefill per window and member; the longer contexts' rows leave
+    # the scores null and say up to which ctx they were scored. None: every context
+    max_ctx: Optional[int] = field(default=None, metadata=OPTIONAL_IN_KEY)
     # The recall probe (windows whose prompts end by repeating an early span): what an evicting cache
     # drops; false leaves the recall_* columns null and halves the pass, for caches that keep every token
     recall: bool = field(default=True, metadata=OPTIONAL_IN_KEY)

@@ -278,6 +278,8 @@ def validate_accuracy(accuracy) -> None:
     positive_int("accuracy.batch", accuracy.batch, at_most=4096)
     if accuracy.at_batch is not None:
         positive_int("accuracy.at_batch", accuracy.at_batch)
+    if accuracy.max_ctx is not None:
+        positive_int("accuracy.max_ctx", accuracy.max_ctx)
 
 
 

@@ -97,6 +97,9 @@ def accuracy(point: Point, strategy, model, references: ReferencePasses | None =
     if point.accuracy.at_batch is not None:  # harness.run.resolve keeps it only where the batch differs
         return not_measured(f"scored at batch={point.accuracy.at_batch} only (accuracy.at_batch): the pass does not "
                             "depend on the batch, and that batch's row of this variant holds the scores")
+    if point.accuracy.max_ctx is not None:  # harness.run.resolve keeps it only where the ctx is longer
+        return not_measured(f"scored up to ctx={point.accuracy.max_ctx} only (accuracy.max_ctx): a window's prompt "
+                            f"of ctx={point.ctx} would be prefilled once per scored variant")
     windows = accuracy_windows_of(point, model.device)
     budget = point.strategy.layout.token_budget if point.strategy.layout is not None else 0
     if not scored_after(windows, budget).scored.any():

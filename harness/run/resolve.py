@@ -100,7 +100,9 @@ def point_from_config(cfg, variant: str = "") -> Point:
     accuracy = AccuracyConfig() if strategy.exact else AccuracyConfig(**OmegaConf.to_container(cfg.accuracy))
     if accuracy.at_batch == cfg.batch:  # scored here: keyed as a point without at_batch, its row any sweep's
         accuracy = dataclasses.replace(accuracy, at_batch=None)
-    scored = accuracy if not strategy.exact and accuracy.at_batch is None else None
+    if accuracy.max_ctx is not None and cfg.ctx <= accuracy.max_ctx:  # scored here: keyed as without max_ctx
+        accuracy = dataclasses.replace(accuracy, max_ctx=None)
+    scored = accuracy if not strategy.exact and accuracy.at_batch is None and accuracy.max_ctx is None else None
     if scored is not None:
         accuracy_fits(model, dtype, device, cfg.ctx, scored)
     return Point(
