@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -95,6 +96,48 @@ def test_sigkill_leaves_whole_rows_and_the_rerun_completes(results_dir):
     final = {p.name: p.stat().st_mtime_ns for p in results_dir.glob("*.parquet")}
     assert len(final) == 8 and all(final[name] == mtime for name, mtime in first.items())
     assert not list(results_dir.glob(".*.tmp-*"))
+
+
+@pytest.mark.slow
+def test_a_runner_killed_alone_leaves_no_group_measuring(results_dir):
+    """SIGKILL to the runner only (not its process group): its fork server sees it gone and exits, and
+    the group's process, whose parent that server is, ends with it instead of measuring on."""
+    mark = f"harness-orphan-test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HARNESS_TEST_MARK": mark}
+    sweep = subprocess.Popen([sys.executable, "-m", "harness.run", "device=cpu", "model=tiny", "strategy=contiguous",
+                              "ctx=16", "decode_tokens=100000", QUICK_CALIBRATION, f"results_dir={results_dir}"],
+                             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+
+    def marked() -> set[int]:  # processes of this test's run, by the variable every one inherits
+        found = set()
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+        return found
+
+    try:
+        deadline = time.monotonic() + 120
+        # The runner, its resource tracker and fork server, and one child of the server, the same for 3 s:
+        # the group measuring (the calibration's child, before it, lasts about calibration_budget_s).
+        seen, since = set(), time.monotonic()
+        while time.monotonic() < deadline and not (len(seen) >= 4 and time.monotonic() - since > 3):
+            now = marked()
+            seen, since = (seen, since) if now == seen else (now, time.monotonic())
+            time.sleep(0.1)
+        assert len(seen) >= 4, "the group's process never started"
+        sweep.kill()
+        sweep.wait()
+        deadline = time.monotonic() + 30
+        while marked() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not marked(), f"left running after the runner was killed: {sorted(marked())}"
+    finally:
+        for pid in marked():
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

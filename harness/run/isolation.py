@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
+import threading
+import time
 import traceback
 from multiprocessing import forkserver
 from typing import Callable
@@ -53,8 +56,40 @@ def stop_fork_server() -> None:
             pass
 
 
-def _child(send, fn, arg) -> None:
+def _end_with_the_runner(runner: int) -> None:
+    """A thread that ends this process (SIGTERM) once the runner that asked for it has exited, however it
+    went: a SIGKILL or SIGINT sent to the runner alone (not to its process group) would otherwise leave
+    the group measuring on, holding the CPUs other runs time on, with nobody to hand its rows to. The
+    fork server is no help: every child holds its liveness pipe, so it outlives the runner too."""
+    try:
+        handle = os.pidfd_open(runner)  # readable once the runner has exited (Linux 5.3)
+    except (AttributeError, OSError):  # no pidfd here: look every second instead
+        handle = None
+
+    def watch():
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while _alive(runner):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="end-with-the-runner", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the number: ours is gone
+        return False
+    return True
+
+
+def _child(send, fn, arg, runner: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored since _start_fork_server
+    _end_with_the_runner(runner)
     try:
         try:
             message = ("ok", fn(arg))
@@ -74,7 +109,7 @@ def run_isolated(fn: Callable[[object], dict], arg) -> dict:
     """fn(arg) in a fresh process. Returns its dict, or a failed outcome with the reason."""
     _start_fork_server()
     receive, send = _CONTEXT.Pipe(duplex=False)
-    process = _CONTEXT.Process(target=_child, args=(send, fn, arg), daemon=True)
+    process = _CONTEXT.Process(target=_child, args=(send, fn, arg, os.getpid()), daemon=True)
     process.start()
     send.close()  # only the child holds the sending end now: EOF means it died
     try:
