@@ -65,6 +65,19 @@ def test_the_slow_window_of_a_default_sweep_is_flagged_and_its_neighbours_are_no
     assert all(slow_reason(steady[i], steady[:i] + steady[i + 1:]) is None for i in range(3))
 
 
+def test_a_member_that_grows_with_context_faster_than_its_bytes_does_not_make_a_clean_window_slow():
+    """A slow window slows every member; one whose step outgrows its bytes at every long context (an
+    engine computing its attention) leaves the group in line, so the smallest member's excess is the
+    group's."""
+    grows = {ctx: ({**steps, "paged": steps["paged"] * (2.6 if ctx == 1024 else 1.0)}, probe)
+             for ctx, (steps, probe) in STEADY.items()}
+    groups = [window(ctx, steps, probe) for ctx, (steps, probe) in grows.items()]
+    assert step_excess(groups[2], groups[:2])[0] < 1.1 and slow_reason(groups[2], groups[:2]) is None
+    everyone = [window(ctx, {k: v * (1.7 if ctx == 1024 else 1.0) for k, v in steps.items()}, probe)
+                for ctx, (steps, probe) in grows.items()]
+    assert "its steps took" in slow_reason(everyone[2], everyone[:2])
+
+
 def test_a_read_probe_far_below_the_other_groups_flags_the_window():
     groups = [window(ctx, steps, 12.0 if ctx == 256 else probe) for ctx, (steps, probe) in STEADY.items()]
     reason = slow_reason(groups[1], [groups[0], groups[2]])
