@@ -125,6 +125,16 @@ def _chunks(windows: Windows, chunk: int):
         yield slice(start, start + chunk)
 
 
+def _sessions(n_windows: int, chunk: int, width: int):
+    """(index of the reference's chunk, rows within that chunk, the same rows among all windows) for each
+    session of at most `width` sequences (a strategy's forced_batch_limit) the chunks are cut into."""
+    for first in range(0, n_windows, chunk):
+        last = min(first + chunk, n_windows)
+        for start in range(first, last, width):
+            stop = min(start + width, last)
+            yield first // chunk, slice(start - first, stop - first), slice(start, stop)
+
+
 def reference_pass(reference, model, windows: Windows, chunk: int) -> ReferencePass:
     began = time.perf_counter()
     fed, logits = [], []
@@ -151,10 +161,7 @@ def scored_steps(strategy, exact: ReferencePass, model, windows: Windows, chunk:
     per_token = {name: np.zeros((n_windows, steps)) for name in names}
     max_abs = 0.0
     width = strategy.forced_batch_limit or chunk  # sequences a session of this strategy takes
-    parts = ((index, rows, slice(start, start + width)) for index, rows in enumerate(_chunks(windows, chunk))
-             for start in range(0, windows.prompts[rows].shape[0], width))
-    for index, chunk_rows, part in parts:  # `part`: rows of the reference's chunk `index`
-        rows = slice(chunk_rows.start + part.start, min(chunk_rows.start + part.stop, chunk_rows.stop, n_windows))
+    for index, part, rows in _sessions(n_windows, chunk, width):
         prompts = windows.prompts[rows]  # [b, ctx]
         session = strategy.new_session(model, prompts.shape[0], prompts.shape[1] + steps)
         session.prefill(prompts)
