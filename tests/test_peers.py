@@ -111,6 +111,23 @@ def test_a_peer_is_a_member_of_the_group_with_its_engine_columns(group):
     assert peer["accuracy_tokens"] == 16 and peer["logit_kl_mean"] < peer["agreement_kl_mean_bound"]
 
 
+def test_the_agreement_check_reuses_the_exact_members_first_step_and_needs_none(quantized_file, engine_cache, monkeypatch):
+    """With the exact cache in the group (listed after the engine: it is set up first all the same), the
+    check's reference step is that member's: no prefill of the reference's own. Without it, the point's
+    reference prefills, and the check reads the same."""
+    from harness.measure import agreement
+
+    built = []  # the reference's prompts run for the check (the accuracy pass builds its own reference)
+    start_decode = agreement.start_decode
+    monkeypatch.setattr(agreement, "start_decode", lambda point, *more: built.append(point) or start_decode(point, *more))
+    shared = measure_group(GroupRequest("shared", (point_of(quantized_file, "fake_engine"),
+                                                   point_of(quantized_file, "contiguous"))))[0]
+    assert shared["status"] == "ok" and built == []
+    alone = measure_group(GroupRequest("alone", (point_of(quantized_file, "fake_engine"),)))[0]
+    assert alone["status"] == "ok" and built
+    assert alone["agreement_logit_max_abs"] < 1e-4 and shared["agreement_logit_max_abs"] < 1e-4
+
+
 def test_a_missing_engine_is_a_skipped_row_naming_the_pip_command(group):
     row = group["fake_missing_engine"]
     assert row["status"] == "skipped" and "pip install -e '.[peers]'" in row["reason"]

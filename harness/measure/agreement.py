@@ -3,11 +3,14 @@
 
 Such a strategy declares its bounds (strategies.base.Strategy.agreement). Two checks, each stated in
 its row:
-- before the rounds: the point's prompt through the exact reference (the point's `reference`, the
-  strategy the accuracy pass scores against) and one decode step fed the reference's first token, beside
-  the strategy's own session at the same position fed the same token: the largest |difference| of the
-  two steps' logits, absolute and relative to the reference's largest |logit|. Beyond the bound (or a
-  different first token) the member fails naming the difference, so its steps are never timed.
+- before the rounds: the point's prompt through the exact reference and one decode step fed the
+  reference's first token, beside the strategy's own session at the same position fed the same token:
+  the largest |difference| of the two steps' logits, absolute and relative to the reference's largest
+  |logit|. Beyond the bound (or a different first token) the member fails naming the difference, so its
+  steps are never timed. The reference's step is the group's own exact contiguous member's where that
+  member was set up first (offer_first_step: its prompt is prefilled once, not again for the check, which
+  at batch 4 and ctx 4096 cost 45 s on 2 cores), else the point's `reference`'s (the strategy the
+  accuracy pass scores against). Both are exact caches (tests/test_exactness.py).
 - after the accuracy pass: its mean KL over the accuracy windows; beyond the bound the row turns failed,
   naming it, and its step time and ratios are dropped.
 The reference's step is run once per group and shared (ReferencePasses), outside the member's peak.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.config import Point
+from harness.config import CONTIGUOUS, Point
 from harness.measure.accuracy import ReferencePasses, reference_strategy
 from harness.measure.decoding import start_decode
 
@@ -35,10 +38,31 @@ class Disagreement(Exception):
         self.columns = columns
 
 
+def could_be_reference(point: Point) -> bool:
+    """What a group's reference declares: an exact cached strategy with the plain contiguous layout (the
+    layout every other stores its K/V differently from)."""
+    choice = point.strategy
+    return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
+
+
+def _first_step_key(point: Point, model) -> tuple:
+    """What an exact first step depends on: the model, the prompt, the batch and the seed."""
+    return ("first_step", id(model), point.batch, point.ctx, point.prefill, point.prompt_hash, point.seed)
+
+
+def offer_first_step(point: Point, model, session, first_token: torch.Tensor, references: ReferencePasses) -> None:
+    """Keep the first step of a member that could be the group's reference (its session at the first
+    decode position, left there) for the agreement checks of the members set up after it."""
+    key = _first_step_key(point, model)
+    if could_be_reference(point) and point.prefill == "compute" and key not in references:
+        references[key] = (first_token, session.step(first_token))
+        session.rewind(point.ctx)
+
+
 def reference_first_step(point: Point, model, references: ReferencePasses) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first token [B], logits [B, V] of the decode step fed it) of the point's exact reference on the
-    point's prompt, computed once per group."""
-    key = ("first_step", point.reference, id(model), point.batch, point.ctx, point.prompt_hash, point.seed)
+    """(first token [B], logits [B, V] of the decode step fed it) of an exact cache on the point's prompt:
+    the group's exact member's (offer_first_step), or the point's reference's, computed once per group."""
+    key = _first_step_key(point, model)
     if key not in references:
         reference = reference_strategy(point.reference)
         generator = torch.Generator(device=point.device).manual_seed(point.seed)

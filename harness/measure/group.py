@@ -22,11 +22,12 @@ the group's order; `harness.run.row` makes each a row.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from harness.config import CONTIGUOUS, Point
+from harness.config import Point
 from harness.measure.contention import gpu_state
 from harness.measure.compiled import graphs_compiled
 from harness.measure.device import device_name
@@ -34,7 +35,7 @@ from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
-from harness.measure.agreement import NOT_CHECKED, judge_kl
+from harness.measure.agreement import NOT_CHECKED, could_be_reference, judge_kl
 from harness.measure.decoding import PREFILL, accuracy, accuracy_failed, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
@@ -50,13 +51,6 @@ class GroupRequest:
     group_id: str  # names the group in every member's row
     members: tuple[Point, ...]  # same shape, device, dtype, batch, ctx, timing, threads, page size
     roof_kernel: str | None = None  # the calibration's best matrix-vector read (GemvRead.kernel); None: the fastest that runs
-
-
-def could_be_reference(point: Point) -> bool:
-    """What a group's reference declares: an exact cached strategy with the plain contiguous layout (the
-    layout every other stores its K/V differently from)."""
-    choice = point.strategy
-    return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
 
 
 def reference_index(points, ran=None) -> int | None:
@@ -79,6 +73,9 @@ def measure_group(request: GroupRequest) -> list[dict]:
     # Inference mode: no step pays for autograd's version counters and view tracking.
     with torch.inference_mode():
         return _GroupRun(request).measure()
+
+
+PRIME_CTX = 64  # prompt tokens of the discarded set-up that primes a group's process (_GroupRun.prime)
 
 
 class _GroupRun:
@@ -106,7 +103,7 @@ class _GroupRun:
         self.prime()
         references = ReferencePasses()  # the exact reference's passes, run once for every member
         ready = 0  # members set up so far: their sessions stay alive through the rounds
-        for member in self.members:
+        for member in self.set_up_order():
             try:
                 member.set_up(*self.model_for(member.point), self.timer, beside=ready, references=references)
             except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
@@ -126,11 +123,18 @@ class _GroupRun:
                 outcome.update(judge_kl(outcome, member.strategy))
         return outcomes
 
+    def set_up_order(self) -> list[Member]:
+        """The members, one that could be the reference first: its first step then serves the agreement
+        checks of the members after it (harness.measure.agreement.offer_first_step), no prefill of their own."""
+        return sorted(self.members, key=lambda member: not could_be_reference(member.point))
+
     def prime(self) -> None:
-        """Set up the first member that runs here once and discard it: what a process pays once (thread
-        pools, kernel libraries, allocator growth) then lands in no member's peak, not in the first one's."""
-        for member in self.members:
-            trial = Member(member.point)
+        """Set up the first member that runs here once, over a prompt of at most PRIME_CTX tokens, and
+        discard it: what a process pays once (thread pools, kernel libraries, the prompt's and the step's
+        first calls) then lands in no member's timings or peak, not in the first one's. Not over the
+        point's own prompt: at batch 4 and ctx 4096 that prefill cost 45 s on 2 cores, for nothing kept."""
+        for member in self.set_up_order():
+            trial = Member(dataclasses.replace(member.point, ctx=min(member.point.ctx, PRIME_CTX)))
             try:
                 trial.set_up(*self.model_for(member.point), self.timer)
             except Exception:  # noqa: BLE001 - the member's own set-up meets the same error and records it

@@ -18,7 +18,7 @@ import torch
 
 from harness.config import Point
 from harness.measure.accuracy import ReferencePasses
-from harness.measure.agreement import Disagreement, check_first_step, reference_first_step
+from harness.measure.agreement import Disagreement, check_first_step, offer_first_step, reference_first_step
 from harness.measure.compiled import CompiledSteps
 from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
@@ -99,6 +99,8 @@ class Member:
         except StrategyUnavailable as unavailable:  # a batch or KV type the engine refuses at this point
             self.outcome = not_run("skipped", str(unavailable))
             return
+        if references is not None:
+            offer_first_step(point, model, self.session, first_token, references)
         if exact is not None:
             try:
                 self.columns.update(check_first_step(point, self.strategy, self.session, first_token, exact))
