@@ -5,7 +5,8 @@ op, so no thread pool or CUDA context is inherited): each group starts in millis
 heap and a fresh resident-set peak. A group whose process dies (the kernel's OOM killer, a segfault
 in a kernel) comes back as a failed outcome; the sweep goes on. A point interrupted by Ctrl-C (SIGINT
 to the process group reaches the point's process too) is not a failure: it sends nothing, and the
-runner raises PointInterrupted, which ends the sweep like a Ctrl-C of its own (harness.run.app).
+runner raises PointInterrupted, which ends the sweep like a Ctrl-C of its own (harness.run.app). A
+runner killed alone takes its group's process with it (_end_with_the_runner).
 """
 from __future__ import annotations
 
