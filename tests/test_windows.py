@@ -84,6 +84,16 @@ def test_a_read_probe_far_below_the_other_groups_flags_the_window():
     assert reason is not None and "the read in its rounds ran at 12.0 GB/s" in reason and "steps" not in reason
 
 
+def test_a_read_probe_is_judged_only_against_groups_of_the_same_members():
+    """The probe runs between the members' steps: a group whose members differ (an engine skipped at
+    another batch) is no measure of it, while the same members' groups still flag a low read."""
+    groups = [window(ctx, steps, probe) for ctx, (steps, probe) in STEADY.items()]
+    fewer = window(256, {"contiguous": STEADY[256][0]["contiguous"]}, 12.0)
+    assert slow_reason(fewer, [groups[0], groups[2]]) is None
+    assert "the read in its rounds" in slow_reason(fewer, [window(64, {"contiguous": 14.1}, 21.0),
+                                                           window(1024, {"contiguous": 15.2}, 20.5)])
+
+
 def test_groups_of_another_batch_or_without_roofs_predict_nothing():
     mine = window(1024, {"contiguous": 40.0}, 21.0)
     assert step_excess(mine, [window(1024, {"contiguous": 5.0}, 21.0, batch=1)]) == (None, 0)

@@ -18,7 +18,8 @@ job's groups are measured, each is set against the job's other groups:
   context: 2.6x from ctx 1024 to 4096 where the bytes grow 1.8x), which must not make a clean group
   look slow. Above SLOW_LIMIT the group ran slow.
 - **the in-round read** (the same kernel over the same bytes in every group): below 1 / SLOW_LIMIT of
-  the median of the job's other groups on the same device, dtype and kernel.
+  the median of the job's other groups on the same device, dtype and kernel, with the same members
+  (the probe runs between their steps, beside their thread pools).
 
 A slow group is measured again, the slowest first: the first always, more while the second
 measurements stay within REMEASURE_SHARE of the sweep's measuring time. Its rows are flagged before
@@ -107,11 +108,14 @@ def step_excess(window: MeasuredGroup, others: list[MeasuredGroup]) -> tuple[flo
 
 def probe_shortfall(window: MeasuredGroup, others: list[MeasuredGroup]) -> tuple[float, float] | None:
     """(the window's in-round read, the median of the other groups' of the same device, dtype and
-    kernel), B/s; None where either is missing."""
+    kernel and the same members), B/s; None where either is missing. The same members: the probe runs
+    between their steps, beside their thread pools; in a peers sweep two batch-1 groups read a third
+    below the batch-4 groups, where one engine's member is skipped, and read the same measured again."""
     def reading(group):
         rows = [row for _, row in group.ok() if row.get("roof_bandwidth_in_rounds_Bps")]
+        beside = tuple(sorted(_variant(point) for point, _ in group.ok()))  # what the probe ran among
         return (rows[0]["roof_bandwidth_in_rounds_Bps"], (rows[0]["device"], rows[0]["dtype"],
-                rows[0]["roof_in_rounds_kernel"])) if rows else (None, None)
+                rows[0]["roof_in_rounds_kernel"], beside)) if rows else (None, None)
 
     mine, kind = reading(window)
     theirs = [rate for rate, their_kind in map(reading, others) if rate and their_kind == kind]
