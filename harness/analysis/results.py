@@ -44,6 +44,7 @@ REQUIRED_COLUMNS = (
     "ffn_dim", "dtype", "device", "batch", "ctx", "decode_tokens", "status",
 )
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
+READ_THREADS = 4  # files read at once: pyarrow decodes without the GIL, so threads beyond the cores hide the file reads
 
 
 @dataclass
@@ -72,7 +73,7 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
         else:
             paths.append(path)
     tables = []
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for path, (table, why) in zip(paths, pool.map(_read_one, paths)):
             if table is None:
                 skipped.append((str(path), why))
@@ -81,13 +82,18 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     if not tables:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
     joined = pa.concat_tables(tables, promote_options="permissive")  # older files lack newer columns
-    return joined.to_pandas(), skipped
+    # One chunk per column, not one per file: pandas keeps a string column as the Arrow chunks it was given,
+    # and every later row selection (a cohort, a point) would then take from thousands of one-row chunks.
+    return joined.combine_chunks().to_pandas(), skipped
 
 
 def _read_one(path: Path) -> tuple[pa.Table | None, str]:
     """(the file's rows, "") or (None, why it is not read as rows)."""
     try:
-        table = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs twice the read of a one-row file
+        # Not read_table (its dataset machinery costs twice the read of a one-row file), and without Arrow's
+        # thread pool and read-ahead: for one row, handing each column to a thread costs more than decoding it.
+        file = pq.ParquetFile(path, pre_buffer=False)
+        table = file.read(use_threads=False)
     except Exception as error:  # pyarrow raises several types for a damaged file
         return None, f"corrupt Parquet: {first_line(error, typed=False)}"
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
