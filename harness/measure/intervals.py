@@ -11,6 +11,7 @@ than the data allow.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,6 +21,7 @@ import numpy as np
 RESAMPLES = 2000  # bootstrap draws; the interval's ends move by well under 1% of its width beyond this
 CONFIDENCE = 0.95  # two-sided
 SEED = 0  # the bootstrap's generator: an interval is a function of its data alone
+INTERVALS_REMEMBERED = 4096  # median intervals kept by their data: a report judges each point in several sections
 METHOD = (f"percentile bootstrap of the median over rounds ({RESAMPLES} resamples, {CONFIDENCE:.0%}); ratios "
           "resample paired rounds, so both members of a round stay together")
 
@@ -47,11 +49,38 @@ def median_interval(values: Sequence[float]) -> Interval:
     median = float(statistics.median(values))
     if len(data) < 2:
         return Interval(median, median, median)
-    draws = np.random.default_rng(SEED).integers(0, len(data), size=(RESAMPLES, len(data)))
-    medians = np.median(data[draws], axis=1)
+    low, high = _bootstrap_median_bounds(data.tobytes())
+    return Interval(median, low, high)
+
+
+@functools.lru_cache(maxsize=INTERVALS_REMEMBERED)
+def _bootstrap_median_bounds(data_bytes: bytes) -> tuple[float, float]:
+    """The percentile-bootstrap interval of the median of the float64 values in `data_bytes`: the data's
+    own bytes are the key, so the report's sections, which judge the same points again, draw each once.
+
+    Bit for bit the interval np.median over the resampled values gives, at a third of its cost: the
+    resamples are drawn as positions, each replaced by its value's rank (a small integer), and the middle
+    rank(s) of each resample picked by one partition of the ranks instead of the floats."""
+    data = np.frombuffer(data_bytes, dtype=np.float64)
+    count = len(data)
+    draws = np.random.default_rng(SEED).integers(0, count, size=(RESAMPLES, count))
+    if np.isnan(data).any():  # a resample holding a NaN has a NaN median, which ranks cannot say
+        medians = np.median(data[draws], axis=1)
+        return _percentile_bounds(medians)
+    order = np.argsort(data, kind="stable")
+    rank = np.empty(count, dtype=np.min_scalar_type(count))
+    rank[order] = np.arange(count)
+    middle = [(count - 1) // 2, count // 2]  # the one middle rank, or the two an even count averages
+    picked = np.partition(rank[draws], middle, axis=1)[:, middle]
+    ordered = data[order]
+    return _percentile_bounds(np.mean(ordered[picked], axis=1))  # as np.median averages the middle two
+
+
+def _percentile_bounds(estimates: np.ndarray) -> tuple[float, float]:
+    """The CONFIDENCE interval's ends among the resamples' estimates."""
     tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(medians, [tail, 100 - tail])
-    return Interval(median, float(low), float(high))
+    low, high = np.percentile(estimates, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Interval:
