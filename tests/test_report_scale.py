@@ -1,18 +1,25 @@
-"""A folder of thousands of row files: every row read, the odd file named, and the loader's cost set
-against Arrow's own read of the same files in the same run (slow tier: a ratio, skipped with the
-measured reason when other processes took the CPUs).
+"""A folder of thousands of row files: every row read, the odd file named, each file read once and only
+for the columns the report reads, and the loader's cost set against Arrow's own read of the same files
+in the same run (slow tier: a ratio, skipped with the measured reason when other processes took the CPUs).
 """
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
 
 from harness.analysis import results
+from harness.report import assemble
 from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, others_fraction_since
 from harness.report.assemble import build_report
+from harness.report.unread import UNREAD_COLUMNS
+from harness.store.columns import COLUMN_NAMES
 from tests.conftest import REPO_ROOT
 from tests.report_fixtures import write_variant_results
 
@@ -43,6 +50,40 @@ def test_a_damaged_file_among_them_is_named_and_the_others_read(tmp_path):
     assert len(table) == 60
     assert [why.split(":")[0] for path, why in table.attrs["skipped_files"] if path.endswith("damaged.parquet")] == \
         ["corrupt Parquet"]
+
+
+def test_the_report_reads_each_file_once_and_leaves_the_columns_it_never_reads_in_the_files(tmp_path, monkeypatch):
+    """Each row file is read once, for every column but the report's unread ones (in a one-row file each
+    column costs a decode); the report is the same, timestamp aside, as one built from every column."""
+    folder = many(tmp_path, 90)
+    asked = []
+    read = results.pq.ParquetFile.read
+    monkeypatch.setattr(results.pq.ParquetFile, "read", lambda self, columns=None, **kw: (
+        asked.append(columns), read(self, columns=columns, **kw))[1])
+    lean = build_report(folder, out_dir=tmp_path / "lean").markdown.read_text()
+    assert len(asked) == 90 and all(columns and not set(columns) & set(UNREAD_COLUMNS) for columns in asked)
+    monkeypatch.setattr(assemble, "UNREAD_COLUMNS", ())
+    whole = build_report(folder, out_dir=tmp_path / "whole").markdown.read_text()
+    written = re.compile(r"Written [^.]*UTC")
+    assert written.sub("", lean) == written.sub("", whole)
+
+
+def test_no_module_the_report_runs_names_a_column_it_leaves_unread():
+    """A column left unread loads as null: a section that started reading one would see nothing. So no
+    module the report imports that handles rows (its own, the loader's and analysis', the upgrade's) names
+    one, quoted or as an attribute."""
+    assert set(UNREAD_COLUMNS) <= set(COLUMN_NAMES)
+    imported = subprocess.run(  # a fresh process: this one holds what other tests imported
+        [sys.executable, "-c", "import sys, harness.report.__main__; print('\\n'.join(m.__file__ for n, m in "
+         "sys.modules.items() if n.startswith('harness.') and getattr(m, '__file__', None)))"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    touching_rows = ("harness/report/", "harness/analysis/", "harness/store/upgrade.py")  # config and calibration: no rows
+    sources = {path: open(path).read() for path in imported
+               if any(part in path for part in touching_rows) and not path.endswith("unread.py")}
+    assert any(path.endswith("assemble.py") for path in sources) and any(path.endswith("upgrade.py") for path in sources)
+    named = {(column, Path(path).name) for column in UNREAD_COLUMNS for path, text in sources.items()
+             if re.search(rf"""['"]{column}['"]|\.{column}\b""", text)}
+    assert not named, f"read by the report but left unread (harness/report/unread.py): {sorted(named)}"
 
 
 @pytest.mark.slow

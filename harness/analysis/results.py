@@ -45,6 +45,7 @@ REQUIRED_COLUMNS = (
 )
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
 READ_THREADS = 4  # files read at once: pyarrow decodes without the GIL, so threads beyond the cores hide the file reads
+READ_BATCH = 256  # files read, then joined into one compact table (_compact), before the next are read
 
 
 @dataclass
@@ -56,11 +57,11 @@ class RowRoof:
     description: str  # one line for the report: which calibration file or datasheet, and why
 
 
-def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+def read_rows(results_dir, left_out: tuple[str, ...] = ()) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     """All rows of the folder's Parquet files, as written (harness.store.upgrade brings them up to
     date), and the entries that were not read (path, reason). The files are read in threads (pyarrow
     releases the GIL) and joined as one Arrow table, converted to pandas once: a folder of thousands
-    of one-row files reads in seconds rather than minutes."""
+    of one-row files reads in seconds rather than minutes. `left_out`: columns not read (see load)."""
     folder = Path(results_dir)
     paths, skipped = [], []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
@@ -72,33 +73,42 @@ def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
             skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
         else:
             paths.append(path)
-    tables = []
+    joined = []  # one compact table per READ_BATCH files: what is held at once stays bounded
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-        for path, (table, why) in zip(paths, pool.map(_read_one, paths)):
-            if table is None:
-                skipped.append((str(path), why))
-            else:
-                tables.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
-    if not tables:
+        for start in range(0, len(paths), READ_BATCH):
+            batch, read = paths[start:start + READ_BATCH], []
+            for path, (table, why) in zip(batch, pool.map(lambda path: _read_one(path, frozenset(left_out)), batch)):
+                if table is None:
+                    skipped.append((str(path), why))
+                else:
+                    read.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
+            joined += [_compact(read)] if read else []
+    if not joined:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
-    joined = pa.concat_tables(tables, promote_options="permissive")  # older files lack newer columns
-    # One chunk per column, not one per file: pandas keeps a string column as the Arrow chunks it was given,
-    # and every later row selection (a cohort, a point) would then take from thousands of one-row chunks.
-    return joined.combine_chunks().to_pandas(), skipped
+    return _compact(joined).to_pandas(), skipped
 
 
-def _read_one(path: Path) -> tuple[pa.Table | None, str]:
+def _compact(tables: list[pa.Table]) -> pa.Table:
+    """The tables as one, each column one chunk. One chunk, not one per file: pandas keeps a string column as
+    the Arrow chunks it was given, and every later row selection (a cohort, a point) would then take from
+    thousands of one-row chunks. Joined batch by batch: a one-row file's table holds far more memory than its
+    row, so a folder's thousands held until the end cost gigabytes and the allocator's time."""
+    return pa.concat_tables(tables, promote_options="permissive").combine_chunks()  # older files lack newer columns
+
+
+def _read_one(path: Path, left_out: frozenset = frozenset()) -> tuple[pa.Table | None, str]:
     """(the file's rows, "") or (None, why it is not read as rows)."""
     try:
         # Not read_table (its dataset machinery costs twice the read of a one-row file), and without Arrow's
         # thread pool and read-ahead: for one row, handing each column to a thread costs more than decoding it.
         file = pq.ParquetFile(path, pre_buffer=False)
-        table = file.read(use_threads=False)
+        names = file.schema_arrow.names
+        missing = [c for c in REQUIRED_COLUMNS if c not in names]
+        if missing:
+            return None, f"not a harness row: missing columns {', '.join(missing)}"
+        table = file.read(columns=[c for c in names if c not in left_out], use_threads=False)
     except Exception as error:  # pyarrow raises several types for a damaged file
         return None, f"corrupt Parquet: {first_line(error, typed=False)}"
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        return None, f"not a harness row: missing columns {', '.join(missing)}"
     return table.replace_schema_metadata(None), ""  # pandas metadata of one file would rename another's index
 
 
@@ -274,10 +284,13 @@ def dedupe(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, list[str]]
     return rows[keep].reset_index(drop=True), found
 
 
-def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datasheet: str | None = None) -> pd.DataFrame:
+def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datasheet: str | None = None,
+         left_out: tuple[str, ...] = ()) -> pd.DataFrame:
     """Every row of one folder, or of several (a list: rows of several hosts and devices), upgraded to
     today's schema, read once each, with its predictions (add_predictions; `datasheet`: all predicted
-    again at that datasheet's roofs).
+    again at that datasheet's roofs). `left_out`: columns the caller never reads, left in the files (in a
+    one-row file every column costs about as much to decode as the next); they read as null, as a column
+    an older row lacks does (harness.store.upgrade).
 
     attrs: skipped_files [(path, reason)], duplicates [(point_key, [files])],
     calibration_problems [(path, reason)], results_dir.
@@ -285,7 +298,7 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datash
     folders = [results_dir] if isinstance(results_dir, (str, Path)) else list(results_dir)
     frames, skipped, problems = [], [], []
     for folder in folders:
-        rows, not_rows = read_rows(folder)
+        rows, not_rows = read_rows(folder, left_out)
         frames.append(rows.assign(source_dir=str(folder)))
         skipped += not_rows
         problems += [(str(p), why) for p, why in calibration.read_all(folder)[1]]

@@ -24,6 +24,7 @@ from harness.report.layouts import layout_section
 from harness.report.overhead import overhead_section
 from harness.report.summary import memory_split, summary_table
 from harness.report.tradeoff import ran_rows
+from harness.report.unread import UNREAD_COLUMNS
 from harness.report.verdicts import resolution_paragraph
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
@@ -267,8 +268,8 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
             stale.unlink()
-        table = load(results_dir, fallback_hardware)
-        compared = load(baseline, fallback_hardware) if baseline is not None else None
+        table = load(results_dir, fallback_hardware, left_out=UNREAD_COLUMNS)
+        compared = load(baseline, fallback_hardware, left_out=UNREAD_COLUMNS) if baseline is not None else None
         blocks = build_blocks(table, results_dir, folder, compared)
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])
