@@ -1,6 +1,7 @@
 """A folder of thousands of row files: every row read, the odd file named, each file read once and only
-for the columns the report reads, and the loader's cost set against Arrow's own read of the same files
-in the same run (slow tier: a ratio, skipped with the measured reason when other processes took the CPUs).
+for the columns the report reads, the read split among processes giving the table and the skipped files
+an in-process read gives, and the loader's cost set against Arrow's own read of the same files in the
+same run (slow tier: a ratio, skipped with the measured reason when other processes took the CPUs).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from harness.analysis import results
+from harness.analysis import results, row_files
 from harness.report import assemble
 from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, others_fraction_since
 from harness.report.assemble import build_report
@@ -52,13 +53,55 @@ def test_a_damaged_file_among_them_is_named_and_the_others_read(tmp_path):
         ["corrupt Parquet"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the read is split among forked processes on Linux only")
+def test_the_read_split_among_processes_gives_the_table_and_the_skipped_files_of_the_read_in_one(tmp_path, monkeypatch):
+    """Odd entries spread over the slices (a foreign Parquet file, a damaged one, a folder, a text file): the
+    slices read in forked processes and joined give the same table, column for column, and the same skipped
+    entries with the same reasons in the same order as the whole folder read in this process."""
+    import pandas as pd
+
+    folder = many(tmp_path, 120)
+    pd.DataFrame({"x": [1, 2]}).to_parquet(folder / "a_foreign.parquet", index=False)  # first slice: this process
+    (folder / "m_damaged.parquet").write_bytes(b"PAR1 not a parquet file")
+    (folder / "n_folder").mkdir()
+    (folder / "z_notes.txt").write_text("not a row")
+    (folder / "zz_damaged.parquet").write_bytes(b"")  # last slice: a forked reader
+    left_out = UNREAD_COLUMNS[:5]
+    alone, alone_skipped = row_files.read_files(folder, left_out)
+    split, read_in_processes = [], row_files._read_in_processes
+    monkeypatch.setattr(row_files, "_processes", lambda files: 3)
+    monkeypatch.setattr(row_files, "_read_in_processes", lambda slices, *args: (
+        split.append([len(s) for s in slices]), read_in_processes(slices, *args))[1])
+    together, together_skipped = row_files.read_files(folder, left_out)
+    assert split == [[41, 41, 41]]  # the 123 .parquet files in three slices: two read by forked processes
+    assert together.equals(alone) and together.schema == alone.schema and together.num_rows == 120
+    assert together["source_file"].to_pylist() == alone["source_file"].to_pylist()
+    assert together_skipped == alone_skipped
+    assert [(Path(path).name, why.split(":")[0]) for path, why in together_skipped] == [
+        ("n_folder", "a folder"), ("z_notes.txt", "not a .parquet file (pandas.read_parquet on the results folder "
+                                                  "will fail on it)"),
+        ("a_foreign.parquet", "not a harness row"), ("m_damaged.parquet", "corrupt Parquet"),
+        ("zz_damaged.parquet", "corrupt Parquet")]
+
+
+def test_a_folder_of_few_files_is_read_in_this_process_and_never_by_more_processes_than_cpus(monkeypatch):
+    """Forking a reader pays only for a share of many files; and a reader per usable CPU at most."""
+    if not sys.platform.startswith("linux"):
+        assert row_files._processes(100 * row_files.FILES_PER_PROCESS) == 1
+        return
+    monkeypatch.setattr(row_files.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert row_files._processes(2 * row_files.FILES_PER_PROCESS - 1) == 1
+    assert row_files._processes(2 * row_files.FILES_PER_PROCESS) == 2
+    assert row_files._processes(100 * row_files.FILES_PER_PROCESS) == 3
+
+
 def test_the_report_reads_each_file_once_and_leaves_the_columns_it_never_reads_in_the_files(tmp_path, monkeypatch):
     """Each row file is read once, for every column but the report's unread ones (in a one-row file each
     column costs a decode); the report is the same, timestamp aside, as one built from every column."""
     folder = many(tmp_path, 90)
     asked = []
-    read = results.pq.ParquetFile.read
-    monkeypatch.setattr(results.pq.ParquetFile, "read", lambda self, columns=None, **kw: (
+    read = row_files.pq.ParquetFile.read
+    monkeypatch.setattr(row_files.pq.ParquetFile, "read", lambda self, columns=None, **kw: (
         asked.append(columns), read(self, columns=columns, **kw))[1])
     lean = build_report(folder, out_dir=tmp_path / "lean").markdown.read_text()
     assert len(asked) == 90 and all(columns and not set(columns) & set(UNREAD_COLUMNS) for columns in asked)

@@ -5,10 +5,11 @@
     df.attrs["skipped_files"]  # [(path, reason), ...]: corrupt or foreign files, not read
     df.attrs["duplicates"]  # [(point_key, files), ...]: one point read from several files, kept once
 
-Every `*.parquet` file at the top level of the folder is read, in threads, and checked on its own, so one
-corrupt or foreign file is named and skipped instead of failing the whole read. Names starting with '_'
-or '.' (the report, Hydra's logs, the calibration) are never rows. Rows of an older schema_version are
-brought up to date by harness.store.upgrade.
+Every `*.parquet` file at the top level of the folder is read and checked on its own, so one corrupt or
+foreign file is named and skipped instead of failing the whole read (harness.analysis.row_files, which
+splits a folder of many files among processes). Names starting with '_' or '.' (the report, Hydra's logs,
+the calibration) are never rows. Rows of an older schema_version are brought up to date by
+harness.store.upgrade.
 
 The predictions (predicted_step_s, predicted_prefill_s, roof_bound, bytes and FLOPs per step, ...) are
 the row's own columns, written by the run at its calibrated roofs (harness.analysis.predictions). This
@@ -22,30 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from harness.analysis.analytic import Roof
 from harness.analysis.predictions import AT_A_ROOF, ROOF_FREE, predict
+from harness.analysis.row_files import REQUIRED_COLUMNS, read_files
 from harness.analysis.hardware import HardwareError, datasheet_for_device_name, load_hardware
 from harness.config import CacheLayout, ModelConfig
 from harness.config.validate import first_line
 from harness.store import calibration
 from harness.store.upgrade import upgrade
 
-# Columns a file must have to be read as a harness row (the rest may be missing in older rows).
-REQUIRED_COLUMNS = (
-    "strategy", "model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-    "ffn_dim", "dtype", "device", "batch", "ctx", "decode_tokens", "status",
-)
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
-READ_THREADS = 4  # files read at once: pyarrow decodes without the GIL, so threads beyond the cores hide the file reads
-READ_BATCH = 256  # files read, then joined into one compact table (_compact), before the next are read
 
 
 @dataclass
@@ -59,57 +51,14 @@ class RowRoof:
 
 def read_rows(results_dir, left_out: tuple[str, ...] = ()) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     """All rows of the folder's Parquet files, as written (harness.store.upgrade brings them up to
-    date), and the entries that were not read (path, reason). The files are read in threads (pyarrow
-    releases the GIL) and joined as one Arrow table, converted to pandas once: a folder of thousands
-    of one-row files reads in seconds rather than minutes. `left_out`: columns not read (see load)."""
-    folder = Path(results_dir)
-    paths, skipped = [], []
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if path.name.startswith(("_", ".")):
-            continue
-        if path.is_dir():
-            skipped.append((str(path), "a folder: not read (pandas.read_parquet on the results folder would read it as a partition)"))
-        elif path.suffix != ".parquet":
-            skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
-        else:
-            paths.append(path)
-    joined = []  # one compact table per READ_BATCH files: what is held at once stays bounded
-    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-        for start in range(0, len(paths), READ_BATCH):
-            batch, read = paths[start:start + READ_BATCH], []
-            for path, (table, why) in zip(batch, pool.map(lambda path: _read_one(path, frozenset(left_out)), batch)):
-                if table is None:
-                    skipped.append((str(path), why))
-                else:
-                    read.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
-            joined += [_compact(read)] if read else []
-    if not joined:
+    date), and the entries that were not read (path, reason). The files are read as one Arrow table
+    (harness.analysis.row_files: in several processes for a folder of many), converted to pandas once:
+    a folder of thousands of one-row files reads in seconds rather than minutes. `left_out`: columns
+    not read (see load)."""
+    table, skipped = read_files(results_dir, left_out)
+    if table is None:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
-    return _compact(joined).to_pandas(), skipped
-
-
-def _compact(tables: list[pa.Table]) -> pa.Table:
-    """The tables as one, each column one chunk. One chunk, not one per file: pandas keeps a string column as
-    the Arrow chunks it was given, and every later row selection (a cohort, a point) would then take from
-    thousands of one-row chunks. Joined batch by batch: a one-row file's table holds far more memory than its
-    row, so a folder's thousands held until the end cost gigabytes and the allocator's time."""
-    return pa.concat_tables(tables, promote_options="permissive").combine_chunks()  # older files lack newer columns
-
-
-def _read_one(path: Path, left_out: frozenset = frozenset()) -> tuple[pa.Table | None, str]:
-    """(the file's rows, "") or (None, why it is not read as rows)."""
-    try:
-        # Not read_table (its dataset machinery costs twice the read of a one-row file), and without Arrow's
-        # thread pool and read-ahead: for one row, handing each column to a thread costs more than decoding it.
-        file = pq.ParquetFile(path, pre_buffer=False)
-        names = file.schema_arrow.names
-        missing = [c for c in REQUIRED_COLUMNS if c not in names]
-        if missing:
-            return None, f"not a harness row: missing columns {', '.join(missing)}"
-        table = file.read(columns=[c for c in names if c not in left_out], use_threads=False)
-    except Exception as error:  # pyarrow raises several types for a damaged file
-        return None, f"corrupt Parquet: {first_line(error, typed=False)}"
-    return table.replace_schema_metadata(None), ""  # pandas metadata of one file would rename another's index
+    return table.to_pandas(), skipped
 
 
 def shape_of(row) -> ModelConfig:
