@@ -34,7 +34,6 @@ REQUIRED_COLUMNS = (
 # read slower than two on two CPUs). A process among several reads in one thread: the others keep the
 # CPUs busy, and a thread would add only those handoffs.
 READ_THREADS = 2
-READ_BATCH = 256  # files read, then joined into one compact table (_compact), before the next are read
 # Files per process: a folder of fewer than twice this many is read in this process alone, where forking
 # a reader and sending its table back would cost more than the share of the read it takes; a folder of
 # more gets one process per this many files, up to the CPUs this process may run on.
@@ -121,32 +120,51 @@ def read_slice(paths: list[Path], left_out: tuple[str, ...] = (),
                threads: int = READ_THREADS) -> tuple[pa.Table | None, Skipped]:
     """The rows of `paths` as one compact table (None: none held a row), and the files not read, with why;
     read in `threads` threads."""
-    joined, skipped = [], []  # one compact table per READ_BATCH files: what is held at once stays bounded
+    runs: list[_Run] = []  # consecutive files of one schema each
+    names, skipped = [], []
     unread = frozenset(left_out)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         mapped = pool.map if threads > 1 else map  # one thread: no handoff to a pool's thread and back
-        for start in range(0, len(paths), READ_BATCH):
-            batch, read, names = paths[start:start + READ_BATCH], [], []
-            for path, (table, why) in zip(batch, mapped(lambda path: read_one(path, unread), batch)):
-                if table is None:
-                    skipped.append((str(path), why))
-                else:
-                    read.append(table)
-                    names += [path.name] * table.num_rows
-            if read:  # the file names added once a batch: a column appended to each file's table costs a fifth of its read
-                joined.append(_compact(read).append_column("source_file", pa.array(names, pa.string())))
-    return (_compact(joined) if joined else None), skipped
+        for path, (table, why) in zip(paths, mapped(lambda path: read_one(path, unread), paths)):
+            if table is None:
+                skipped.append((str(path), why))
+                continue
+            if not runs or table.schema != runs[-1].schema:
+                runs.append(_Run(table.schema))
+            runs[-1].add(table)
+            names += [path.name] * table.num_rows
+    if not runs:
+        return None, skipped
+    # The file names added once: a column appended to each file's table costs a fifth of its read.
+    return _compact([run.table() for run in runs]).append_column("source_file", pa.array(names, pa.string())), skipped
+
+
+class _Run:
+    """Consecutive files of one schema, each file's table written to an Arrow IPC stream as soon as it is read.
+    Held as tables until joined, thousands of one-row tables cost far more memory than their rows (Arrow's
+    objects for each column), and the files read meanwhile a third more time each."""
+
+    def __init__(self, schema: pa.Schema):
+        self.schema = schema  # every table added has it
+        self._sink = pa.BufferOutputStream()  # the stream's bytes: each row's values and little else
+        self._writer = pa.ipc.new_stream(self._sink, schema)
+
+    def add(self, table: pa.Table) -> None:
+        self._writer.write_table(table)
+
+    def table(self) -> pa.Table:
+        """The run's rows as one table, each column one chunk; the run takes no more rows."""
+        self._writer.close()
+        return pa.ipc.open_stream(self._sink.getvalue()).read_all().combine_chunks()
 
 
 def _compact(tables: list[pa.Table]) -> pa.Table:
     """The tables as one, each column one chunk. One chunk, not one per file: pandas keeps a string column as
     the Arrow chunks it was given, and every later row selection (a cohort, a point) would then take from
-    thousands of one-row chunks. Joined batch by batch: a one-row file's table holds far more memory than its
-    row, so a folder's thousands held until the end cost gigabytes and the allocator's time."""
+    thousands of one-row chunks."""
     schema = tables[0].schema
-    # Tables of one schema (the common case) are joined as they are. Older files lack newer columns, and a
-    # column null in every row of a file is typed null there: tables of several schemas are unified first,
-    # which costs several times the join.
+    # Tables of one schema are joined as they are. Older files lack newer columns, and a column null in every
+    # row of a file is typed null there: tables of several schemas are unified first (several times the cost).
     same = all(table.schema == schema for table in tables)
     return pa.concat_tables(tables, promote_options="none" if same else "permissive").combine_chunks()
 
