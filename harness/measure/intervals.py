@@ -70,20 +70,22 @@ def _bootstrap_median_bounds(data_bytes: bytes) -> tuple[float, float]:
         draws = np.random.default_rng(SEED).integers(0, count, size=(RESAMPLES, count))
         return _percentile_bounds(np.median(data[draws], axis=1))
     order = np.argsort(data, kind="stable")  # order[r]: the position of the value of rank r
-    below = np.cumsum(_drawn(count)[:, order], axis=1, dtype=np.int32)  # [i, r]: draws of rank <= r in resample i
+    below = _drawn(count)[order].astype(np.int32)  # [r, i]: draws of rank r in resample i ...
+    np.cumsum(below, axis=0, out=below)  # ... now of rank <= r: summed down the rows, each a contiguous run
     places = [(count - 1) // 2, count // 2]  # the one middle place twice, or the two an even count averages
-    rank_at = {place: (below <= place).sum(axis=1) for place in set(places)}  # the rank sitting there, per resample
+    rank_at = {place: np.count_nonzero(below <= place, axis=0) for place in set(places)}  # the rank there, per resample
     picked = np.stack([rank_at[place] for place in places], axis=1)
     return _percentile_bounds(np.mean(data[order][picked], axis=1))  # as np.median averages the middle two
 
 
 @functools.lru_cache(maxsize=DRAW_COUNTS_REMEMBERED)
 def _drawn(count: int) -> np.ndarray:
-    """[resample, position]: how many times the seeded bootstrap draws each of `count` positions."""
+    """[position, resample]: how many times the seeded bootstrap draws each of `count` positions. Positions
+    are rows so that reordering them by rank moves whole rows."""
     draws = np.random.default_rng(SEED).integers(0, count, size=(RESAMPLES, count))
     flat = (draws + np.arange(RESAMPLES)[:, None] * count).ravel()
     drawn = np.bincount(flat, minlength=RESAMPLES * count).reshape(RESAMPLES, count)
-    return drawn.astype(np.min_scalar_type(count))  # small: each of a report's few counts is kept
+    return np.ascontiguousarray(drawn.T, dtype=np.min_scalar_type(count))  # small: a report's few counts are kept
 
 
 def _percentile_bounds(estimates: np.ndarray) -> tuple[float, float]:
