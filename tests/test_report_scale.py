@@ -5,7 +5,9 @@ same run (slow tier: a ratio, skipped with the measured reason when other proces
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 
 from harness.analysis import results, row_files
 from harness.report import assemble
-from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, others_fraction_since
+from harness.measure.contention import CONTENTION_LIMIT, CpuTimes, others_fraction
 from harness.report.assemble import build_report
 from harness.report.unread import UNREAD_COLUMNS
 from harness.store.columns import COLUMN_NAMES
@@ -27,6 +29,12 @@ from tests.report_fixtures import write_variant_results
 _spec = importlib.util.spec_from_file_location("many_rows", REPO_ROOT / "scripts" / "many_rows.py")
 many_rows = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(many_rows)
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children that it has waited for (the loader's reader processes)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def many(tmp_path, count: int):
@@ -132,22 +140,26 @@ def test_no_module_the_report_runs_names_a_column_it_leaves_unread():
 @pytest.mark.slow
 def test_loading_thousands_of_row_files_costs_little_beyond_arrows_own_read_of_them(tmp_path):
     """The loader over 3,000 files (read, upgraded, deduplicated, predicted) against one pyarrow dataset
-    read of the same files, timed in the same run; the report over them then builds."""
+    read of the same files, timed in the same run; the report over them then builds (its plotting
+    sections in a forked process: harness.report.apart)."""
     folder = many(tmp_path, 3000)
     paths = sorted(str(p) for p in folder.glob("*.parquet"))
-    start = CpuTimes.now()
+    start, forked = CpuTimes.now(), children_cpu_s()
     began = time.perf_counter()
     ds.dataset(paths, format="parquet").to_table()
     arrow_s = time.perf_counter() - began
     began = time.perf_counter()
     table = results.load(folder)
     load_s = time.perf_counter() - began
-    busy = others_fraction_since(start)
+    end = CpuTimes.now()  # the loader's reader processes, waited for by now, are this test's own work
+    busy = others_fraction(start, dataclasses.replace(end, mine=end.mine + children_cpu_s() - forked))
     if busy > CONTENTION_LIMIT:
         pytest.skip(f"other processes took {busy:.0%} of the CPUs while the two reads were timed "
                     f"(loader {load_s:.1f} s, Arrow {arrow_s:.1f} s)")
     assert len(table) == 3000
-    # The loader adds to the read only vectorised steps and one prediction per distinct point.
-    assert load_s < 4 * arrow_s + 1.0, f"loader {load_s:.2f} s against Arrow's read {arrow_s:.2f} s"
+    # The loader reads every file on its own, as Arrow's dataset does, but not the columns the report never
+    # reads, with the CPUs shared as Arrow shares them, and adds only vectorised steps and one prediction
+    # per distinct point: it stays well within twice Arrow's read.
+    assert load_s < 2 * arrow_s + 1.0, f"loader {load_s:.2f} s against Arrow's read {arrow_s:.2f} s"
     files = build_report(folder, out_dir=tmp_path / "report")
     assert "## This machine, point by point" in files.markdown.read_text()
