@@ -5,8 +5,8 @@
 Every `*.parquet` file at the top level of the folder is read and checked alone, so one corrupt or foreign
 file is named and skipped instead of failing the whole read; names starting with '_' or '.' (the report,
 Hydra's logs, the calibration) are never rows. A one-row file costs its reader little beside opening it and
-parsing a footer of some 150 columns, work that holds the GIL for much of its time: threads hide the disk
-but not that. So a folder of many files is split into contiguous slices read at once, the first in this
+parsing a footer that describes each of its ~190 columns, work that holds the GIL for much of its time:
+threads hide the disk but not that. So a folder of many files is split into contiguous slices read at once, the first in this
 process and each other one in a forked process that sends back its slice as one Arrow table (IPC bytes)
 and its skipped files; joined in slice order, they make the table and the list an in-process read makes.
 """
@@ -35,7 +35,7 @@ REQUIRED_COLUMNS = (
 # CPUs busy, and a thread would add only those handoffs.
 READ_THREADS = 2
 # Files per process: a folder of fewer than twice this many is read in this process alone, where forking
-# a reader and sending its table back would cost more than the share of the read it takes; a folder of
+# a reader and sending its table back costs about what the reader's share of the read saves; a folder of
 # more gets one process per this many files, up to the CPUs this process may run on.
 FILES_PER_PROCESS = 250
 
