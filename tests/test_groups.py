@@ -28,6 +28,32 @@ def test_median_interval_holds_the_median_and_narrows_with_more_rounds():
     assert median_interval([1.0, 3.0, 2.0]) == median_interval([1.0, 3.0, 2.0])
 
 
+def test_median_interval_is_the_plain_resamplers_to_the_bit():
+    """The interval picks each resample's middle by ranks (harness.measure.intervals): the same draws, so
+    the same interval as np.median over the resampled values, for odd and even counts, ties, infinities
+    and a NaN."""
+    import numpy as np
+
+    from harness.measure.intervals import CONFIDENCE, RESAMPLES, SEED
+
+    def plain(values):
+        data = np.asarray(values, dtype=np.float64)
+        draws = np.random.default_rng(SEED).integers(0, len(data), size=(RESAMPLES, len(data)))
+        tail = (1 - CONFIDENCE) / 2 * 100
+        return list(np.percentile(np.median(data[draws], axis=1), [tail, 100 - tail]))
+
+    rng = np.random.default_rng(1)
+    for count in (2, 3, 4, 31, 256, 257, 1200):
+        for values in (rng.lognormal(size=count), np.round(rng.normal(size=count), 1), rng.integers(0, 3, count) * 1.0):
+            if count > 3:
+                values[[0, 1]] = (np.inf, -np.inf) if count % 2 else (np.inf, values[1])
+            with np.errstate(invalid="ignore"):  # +inf and -inf in one resample: NaN in both, with a warning
+                found = median_interval(list(values))
+                assert np.array_equal([found.low, found.high], plain(values), equal_nan=True), count
+    with_nan = [1.0, float("nan"), 2.0, 3.0]
+    assert np.array_equal([median_interval(with_nan).low, median_interval(with_nan).high], plain(with_nan), equal_nan=True)
+
+
 def test_paired_ratio_sees_a_constant_factor_through_drift():
     drift = [1.0, 1.4, 0.8, 1.9, 1.1, 0.7, 1.5, 1.2]  # the machine moving by 2.7x between rounds
     slower = [1.05 * t for t in drift]

@@ -5,10 +5,11 @@
     df.attrs["skipped_files"]  # [(path, reason), ...]: corrupt or foreign files, not read
     df.attrs["duplicates"]  # [(point_key, files), ...]: one point read from several files, kept once
 
-Every `*.parquet` file at the top level of the folder is read, in threads, and checked on its own, so one
-corrupt or foreign file is named and skipped instead of failing the whole read. Names starting with '_'
-or '.' (the report, Hydra's logs, the calibration) are never rows. Rows of an older schema_version are
-brought up to date by harness.store.upgrade.
+Every `*.parquet` file at the top level of the folder is read and checked on its own, so one corrupt or
+foreign file is named and skipped instead of failing the whole read (harness.analysis.row_files, which
+splits a folder of many files among processes). Names starting with '_' or '.' (the report, Hydra's logs,
+the calibration) are never rows. Rows of an older schema_version are brought up to date by
+harness.store.upgrade.
 
 The predictions (predicted_step_s, predicted_prefill_s, roof_bound, bytes and FLOPs per step, ...) are
 the row's own columns, written by the run at its calibrated roofs (harness.analysis.predictions). This
@@ -22,27 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from harness.analysis.analytic import Roof
 from harness.analysis.predictions import AT_A_ROOF, ROOF_FREE, predict
+from harness.analysis.row_files import REQUIRED_COLUMNS, read_files
 from harness.analysis.hardware import HardwareError, datasheet_for_device_name, load_hardware
 from harness.config import CacheLayout, ModelConfig
 from harness.config.validate import first_line
 from harness.store import calibration
 from harness.store.upgrade import upgrade
 
-# Columns a file must have to be read as a harness row (the rest may be missing in older rows).
-REQUIRED_COLUMNS = (
-    "strategy", "model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-    "ffn_dim", "dtype", "device", "batch", "ctx", "decode_tokens", "status",
-)
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
 
 
@@ -55,45 +49,16 @@ class RowRoof:
     description: str  # one line for the report: which calibration file or datasheet, and why
 
 
-def read_rows(results_dir) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
+def read_rows(results_dir, left_out: tuple[str, ...] = ()) -> tuple[pd.DataFrame, list[tuple[str, str]]]:
     """All rows of the folder's Parquet files, as written (harness.store.upgrade brings them up to
-    date), and the entries that were not read (path, reason). The files are read in threads (pyarrow
-    releases the GIL) and joined as one Arrow table, converted to pandas once: a folder of thousands
-    of one-row files reads in seconds rather than minutes."""
-    folder = Path(results_dir)
-    paths, skipped = [], []
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if path.name.startswith(("_", ".")):
-            continue
-        if path.is_dir():
-            skipped.append((str(path), "a folder: not read (pandas.read_parquet on the results folder would read it as a partition)"))
-        elif path.suffix != ".parquet":
-            skipped.append((str(path), "not a .parquet file (pandas.read_parquet on the results folder will fail on it)"))
-        else:
-            paths.append(path)
-    tables = []
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for path, (table, why) in zip(paths, pool.map(_read_one, paths)):
-            if table is None:
-                skipped.append((str(path), why))
-            else:
-                tables.append(table.append_column("source_file", pa.array([path.name] * table.num_rows, pa.string())))
-    if not tables:
+    date), and the entries that were not read (path, reason). The files are read as one Arrow table
+    (harness.analysis.row_files: in several processes for a folder of many), converted to pandas once:
+    a folder of thousands of one-row files reads in seconds rather than minutes. `left_out`: columns
+    not read (see load)."""
+    table, skipped = read_files(results_dir, left_out)
+    if table is None:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
-    joined = pa.concat_tables(tables, promote_options="permissive")  # older files lack newer columns
-    return joined.to_pandas(), skipped
-
-
-def _read_one(path: Path) -> tuple[pa.Table | None, str]:
-    """(the file's rows, "") or (None, why it is not read as rows)."""
-    try:
-        table = pq.ParquetFile(path).read()  # not read_table: its dataset machinery costs twice the read of a one-row file
-    except Exception as error:  # pyarrow raises several types for a damaged file
-        return None, f"corrupt Parquet: {first_line(error, typed=False)}"
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        return None, f"not a harness row: missing columns {', '.join(missing)}"
-    return table.replace_schema_metadata(None), ""  # pandas metadata of one file would rename another's index
+    return table.to_pandas(), skipped
 
 
 def shape_of(row) -> ModelConfig:
@@ -268,10 +233,13 @@ def dedupe(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, list[str]]
     return rows[keep].reset_index(drop=True), found
 
 
-def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datasheet: str | None = None) -> pd.DataFrame:
+def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datasheet: str | None = None,
+         left_out: tuple[str, ...] = ()) -> pd.DataFrame:
     """Every row of one folder, or of several (a list: rows of several hosts and devices), upgraded to
     today's schema, read once each, with its predictions (add_predictions; `datasheet`: all predicted
-    again at that datasheet's roofs).
+    again at that datasheet's roofs). `left_out`: columns the caller never reads, left in the files (in a
+    one-row file every column costs about as much to decode as the next); they read as null, as a column
+    an older row lacks does (harness.store.upgrade).
 
     attrs: skipped_files [(path, reason)], duplicates [(point_key, [files])],
     calibration_problems [(path, reason)], results_dir.
@@ -279,7 +247,7 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datash
     folders = [results_dir] if isinstance(results_dir, (str, Path)) else list(results_dir)
     frames, skipped, problems = [], [], []
     for folder in folders:
-        rows, not_rows = read_rows(folder)
+        rows, not_rows = read_rows(folder, left_out)
         frames.append(rows.assign(source_dir=str(folder)))
         skipped += not_rows
         problems += [(str(p), why) for p, why in calibration.read_all(folder)[1]]

@@ -11,7 +11,7 @@ from harness.analysis.curves import analytic_tables
 from harness.analysis.hardware import available_hardware
 from harness.config.validate import ConfigError, input_folder, output_folder
 from harness.files import write_whole
-from harness.report import compare, guard, plots, tables
+from harness.report import apart, compare, guard, plots, tables
 from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table, to_markdown
 from harness.report.cohorts import SERIES, Cohort, cohorts_of, noisy_flags
@@ -24,6 +24,7 @@ from harness.report.layouts import layout_section
 from harness.report.overhead import overhead_section
 from harness.report.summary import memory_split, summary_table
 from harness.report.tradeoff import ran_rows
+from harness.report.unread import UNREAD_COLUMNS
 from harness.report.verdicts import resolution_paragraph
 from harness.report.questions import answers
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
@@ -206,35 +207,35 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
     analytic = analytic_tables(table)  # the loader's step: every analytic figure beyond the rows' own columns
     groups = cohorts_of(table, analytic)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
-    trades = (COMPRESSION_HEADING, lambda: compression_section(groups, folder))
+    # (heading, build, whether it draws plots: those may be built in a forked process, harness.report.apart)
+    trades = (COMPRESSION_HEADING, lambda: compression_section(groups, folder), True)
     # Rows of caches that keep fewer tokens, layers or channels answer one question first: what that buys
     # and costs (+sweep=kv_compression), so its picture leads; elsewhere it keeps its place among the others.
     leads = any(compressed(ran_rows(g)).any() for g in groups)
     sections = [trades] if leads else []
-    sections.append(("This machine, point by point", lambda: _summary(table, groups)))
+    sections.append(("This machine, point by point", lambda: _summary(table, groups), False))
     if baseline is not None:
-        sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder)))
-    sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]))
-                 for g in groups[:MAX_PLOTTED_COHORTS]]
+        sections.append(("Against the baseline", lambda: compare.comparison_section(table, baseline, folder), True))
+    sections += [(f"Measured against predicted: {g.title}", lambda g=g: _group_section(g, folder, sets_by_group[g.slug]),
+                  True) for g in groups[:MAX_PLOTTED_COHORTS]]
     if len(groups) > MAX_PLOTTED_COHORTS:  # a folder of many models and machines: a bounded number of plots
         sections.append(("Cohorts not drawn", lambda: [Heading("Cohorts not drawn"), Paragraph(
             f"This folder holds {len(groups)} cohorts (model, machine, dtype, linear kernel); the "
             f"{MAX_PLOTTED_COHORTS} with the most rows are drawn above, so that the report stays bounded. The others' "
-            "rows are in every table: " + ", ".join(f"{g.title}" for g in groups[MAX_PLOTTED_COHORTS:]) + ".")]))
+            "rows are in every table: " + ", ".join(f"{g.title}" for g in groups[MAX_PLOTTED_COHORTS:]) + ".")], False))
     sections += [
-        ("Roofs the predictions use", lambda: _roofs(table, groups)),
-        ("Every row beside its prediction", lambda: _every_row(table)),
-        ("Which layout wins where", lambda: layout_section(groups, folder)),
-        ("What fewer bytes buy", lambda: format_section(groups, folder)),
+        ("Roofs the predictions use", lambda: _roofs(table, groups), False),
+        ("Every row beside its prediction", lambda: _every_row(table), False),
+        ("Which layout wins where", lambda: layout_section(groups, folder), True),
+        ("What fewer bytes buy", lambda: format_section(groups, folder), True),
         *([] if leads else [trades]),
-        ("Against the engines", lambda: engine_section(table)),
-        ("What the roofline does not explain", lambda: overhead_section(groups, folder)),
-        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic)),
-        ("Rows and files not measured", lambda: _not_measured(table)),
+        ("Against the engines", lambda: engine_section(table), False),
+        ("What the roofline does not explain", lambda: overhead_section(groups, folder), True),
+        ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic),
+         False),
+        ("Rows and files not measured", lambda: _not_measured(table), False),
     ]
-    for heading, build in sections:
-        blocks += guard.section(heading, build)
-    return blocks
+    return blocks + apart.built(sections, len(table))
 
 
 def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, out_dir=None,
@@ -267,8 +268,8 @@ def build_report(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("*.png"):  # plots of a previous report, possibly of groups now gone
             stale.unlink()
-        table = load(results_dir, fallback_hardware)
-        compared = load(baseline, fallback_hardware) if baseline is not None else None
+        table = load(results_dir, fallback_hardware, left_out=UNREAD_COLUMNS)
+        compared = load(baseline, fallback_hardware, left_out=UNREAD_COLUMNS) if baseline is not None else None
         blocks = build_blocks(table, results_dir, folder, compared)
         files = ReportFiles(markdown=folder / "report.md", html=folder / "index.html", csv=folder / "rows.csv",
                             figures=[b.path for b in blocks if isinstance(b, Figure)])

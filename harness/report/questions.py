@@ -158,11 +158,14 @@ def prefill_decode(ref: dict, groups: list[Cohort]) -> list[Block]:
     measured, time_ratios = [], []
     for g in groups:
         rows = cached_rows(g.ok).dropna(subset=["prefill_s", "decode_step_s"])
-        for _, r in rows.sort_values(["batch", "ctx"]).iterrows():
+        byte_ratios = {}  # (batch, ctx): the analytic ratio is the point's, whichever row of it, so looked up once
+        for _, r in rows[["strategy", "batch", "ctx", "prefill_s", "decode_step_s"]].sort_values(["batch", "ctx"]).iterrows():
             pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
             dec_t = r["decode_step_s"] / r["batch"]
-            b_ratio = (g.at(None, r["batch"], r["ctx"], "decode_bytes_per_token")
-                       / g.at(None, r["batch"], r["ctx"], "prefill_bytes_per_token"))
+            point = (r["batch"], r["ctx"])
+            if point not in byte_ratios:
+                byte_ratios[point] = (g.at(None, *point, "decode_bytes_per_token") / g.at(None, *point, "prefill_bytes_per_token"))
+            b_ratio = byte_ratios[point]
             measured.append([f"{g.model} {g.dtype} {r['strategy']}", fmt.count(r["batch"]), fmt.count(r["ctx"]),
                              fmt.ratio(b_ratio), fmt.seconds(pre_t), fmt.seconds(dec_t), fmt.ratio(dec_t / pre_t)])
             time_ratios.append(dec_t / pre_t)

@@ -70,17 +70,19 @@ def step_text(step: Interval) -> str:
     return fmt.seconds(step.median) + (f" ±{step.half_width:.0%}" if step.high > step.low else "")
 
 
-def _times(row) -> list[float]:
-    times = row.get(TIMES) if hasattr(row, "get") else None
-    if times is None or np.ndim(times) != 1:  # a row of an older schema, read beside newer ones, holds NaN
-        return []
-    return [float(t) for t in times]
+def _times(rows: pd.DataFrame) -> list[list[float]]:
+    """Each row's timed steps (none where the row holds no list). Read from the one column, not row by
+    row: a point of a large folder pools dozens of repeats, and each section judges it again."""
+    if TIMES not in rows:
+        return [[] for _ in range(len(rows))]
+    # a row of an older schema, read beside newer ones, holds NaN
+    return [[] if times is None or np.ndim(times) != 1 else [float(t) for t in times] for times in rows[TIMES]]
 
 
 def pooled_step(rows: pd.DataFrame) -> Interval:
     """A series' step time at one point over all its rows (repeats): the median of every timed step,
     with its interval; rows without their steps give their own median and interval."""
-    steps = [t for _, row in rows.iterrows() for t in _times(row)]
+    steps = [t for times in _times(rows) for t in times]
     if steps:
         return median_interval(steps)
     row = rows.iloc[0]
@@ -99,9 +101,10 @@ def compare(numerator: pd.DataFrame, denominator: pd.DataFrame) -> Comparison:
     noisy = any_noisy(numerator, denominator)
     pairs_a, pairs_b = [], []
     if GROUP in numerator and GROUP in denominator:
-        partners = {row[GROUP]: _times(row) for _, row in denominator.iterrows() if isinstance(row[GROUP], str)}
-        for _, row in numerator.iterrows():
-            mine, theirs = _times(row), partners.get(row[GROUP])
+        partners = {group: times for group, times in zip(denominator[GROUP], _times(denominator))
+                    if isinstance(group, str)}
+        for group, mine in zip(numerator[GROUP], _times(numerator)):
+            theirs = partners.get(group)
             if theirs and mine and len(mine) == len(theirs):
                 pairs_a += mine
                 pairs_b += theirs
