@@ -45,6 +45,16 @@ def could_be_reference(point: Point) -> bool:
     return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
 
 
+def checks_agreement(point: Point) -> bool:
+    """Whether the point's strategy declares agreement bounds, so that an exact first step is computed for it."""
+    if point.reference is None:
+        return False
+    try:
+        return point.strategy.instantiate().agreement() is not None
+    except Exception:  # noqa: BLE001 - the member's own set-up meets the same error and records it
+        return False
+
+
 def _first_step_key(point: Point, model) -> tuple:
     """What an exact first step depends on: the model, the prompt, the batch and the seed."""
     return ("first_step", id(model), point.batch, point.ctx, point.prefill, point.prompt_hash, point.seed)

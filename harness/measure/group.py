@@ -35,7 +35,7 @@ from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
-from harness.measure.agreement import NOT_CHECKED, could_be_reference, judge_kl
+from harness.measure.agreement import NOT_CHECKED, checks_agreement, could_be_reference, judge_kl
 from harness.measure.decoding import PREFILL, accuracy, accuracy_failed, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
@@ -103,9 +103,11 @@ class _GroupRun:
         self.prime()
         references = ReferencePasses()  # the exact reference's passes, run once for every member
         ready = 0  # members set up so far: their sessions stay alive through the rounds
+        checked = any(checks_agreement(member.point) for member in self.members)  # else no first step is kept
         for member in self.set_up_order():
             try:
-                member.set_up(*self.model_for(member.point), self.timer, beside=ready, references=references)
+                member.set_up(*self.model_for(member.point), self.timer, beside=ready, references=references,
+                              share_first_step=checked)
             except Exception as error:  # noqa: BLE001 - a member's failure is its row, not the group's
                 member.fail(error)
             ready += member.live

@@ -66,12 +66,13 @@ class Member:
         self.session = self._graphed = None
 
     def set_up(self, model, model_bytes: int, timer: StepTimer, beside: int = 0,
-               references: ReferencePasses | None = None) -> None:
+               references: ReferencePasses | None = None, share_first_step: bool = False) -> None:
         """Resolve, build, prefill, check agreement where the strategy declares bounds
         (harness.measure.agreement), compile or capture, warm up; read the member's own peak. On a reason
         not to run, `outcome` becomes the skipped row's dict and nothing is built. `beside`: members of
         the group set up before this one, whose sessions stay alive beside it; `references`: the group's
-        exact reference passes, shared."""
+        exact reference passes, shared; `share_first_step`: a member of the group checks its agreement, so an
+        exact member keeps its first step there (harness.measure.agreement.offer_first_step)."""
         point, device, dtype = self.point, torch.device(self.point.device), getattr(torch, self.point.dtype)
         self.strategy = point.strategy.instantiate()
         self.columns = self.strategy.row_columns()
@@ -99,7 +100,7 @@ class Member:
         except StrategyUnavailable as unavailable:  # a batch or KV type the engine refuses at this point
             self.outcome = not_run("skipped", str(unavailable))
             return
-        if references is not None:
+        if share_first_step and references is not None:  # a member after it checks its agreement
             offer_first_step(point, model, self.session, first_token, references)
         if exact is not None:
             try:
