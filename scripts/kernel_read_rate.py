@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from harness.measure.rounds import RoundsOptions, time_rounds
-from strategies import cpu_kernel
-from strategies.paged import paged_decode_attention
+from strategies.caches import cpu_kernel
+from strategies.caches.paged import paged_decode_attention
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--batch", type=int, default=16)

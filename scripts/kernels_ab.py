@@ -85,8 +85,8 @@ def paged_inputs(batch: int, n_kv: int, group: int, head_dim: int, length: int, 
 def quantized_inputs(fmt: str, head_dim: int, length: int, residual: int = 0, group_size: int = 32,
                      key_axis: str = "token", batch: int = 16, n_kv: int = 2, group: int = 2):
     """The arguments of quantized_decode_attention over a cache `quantized` fills with random codes."""
-    from strategies.quantization import QuantSpec
-    from strategies.quantized import QuantizedLayerCache
+    from strategies.caches.quantization import QuantSpec
+    from strategies.caches.quantized import QuantizedLayerCache
 
     spec = QuantSpec(fmt, group_size, key_axis, residual)
     cache = QuantizedLayerCache(batch, n_kv, length + residual, head_dim, torch.device("cpu"), torch.float32, spec,

@@ -143,11 +143,11 @@ def layouts_block() -> str:
     from harness.config.paths import config_dir
     from harness.measure.rounds import RoundsOptions, time_rounds
     from harness.model import build_model
-    from strategies.contiguous import ContiguousStrategy
-    from strategies.dynamic import DynamicStrategy
-    from strategies.paged import PagedStrategy
-    from strategies.quantized import QuantizedStrategy
-    from strategies.static_full import StaticFullStrategy
+    from strategies.caches.contiguous import ContiguousStrategy
+    from strategies.caches.dynamic import DynamicStrategy
+    from strategies.caches.paged import PagedStrategy
+    from strategies.caches.quantized import QuantizedStrategy
+    from strategies.caches.static_full import StaticFullStrategy
 
     shape = ModelConfig(**yaml.safe_load((config_dir() / "model" / f"{LAYOUT_POINT['model']}.yaml").read_text()))
     batch, ctx = LAYOUT_POINT["batch"], LAYOUT_POINT["ctx"]

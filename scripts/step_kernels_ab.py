@@ -34,7 +34,7 @@ from harness.config import ModelConfig
 from harness.config.paths import config_dir
 from harness.measure.rounds import RoundsOptions, Step, time_rounds
 from harness.model import build_model, cpu_gemv, decoder
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 
 VARIANTS = ("onednn", "c_linear", "c_linear_norm", "c_block")
 PACKAGES = ("harness", "strategies")
@@ -114,7 +114,7 @@ def main() -> None:
         with other_checkout(args.against.resolve()):
             from harness.model import build_model as other_build_model
             from harness.model import cpu_gemv as other_gemv
-            from strategies.contiguous import ContiguousStrategy as OtherContiguous
+            from strategies.caches.contiguous import ContiguousStrategy as OtherContiguous
 
             if other_gemv.unavailable():
                 sys.exit(f"the other checkout's C kernels cannot run here: {other_gemv.unavailable()}")

@@ -25,7 +25,7 @@ from strategies.backends import Backend, StrategyUnavailable, choose
 class Agreement:
     """How close a full-precision engine member must come to the harness's exact cache (stated in its
     row), checked by harness.measure.agreement: beyond either, the row fails naming the difference
-    (a strategy declares one through Strategy.agreement; the peers of strategies/peer.py do)."""
+    (a strategy declares one through Strategy.agreement; the peers of strategies/engines/engine.py do)."""
 
     logit_rel: float  # first decode step: max |engine - exact logit| / max |exact logit|
     kl_mean: float  # the accuracy windows: mean KL(exact || engine), nats
@@ -213,7 +213,7 @@ class Strategy(ABC):
 
     def row_columns(self) -> dict:
         """Columns the strategy reports about itself beyond what the point records (an engine's name,
-        version, KV type in its words: strategies.peer), merged into its row, skipped or not; {} here."""
+        version, KV type in its words: strategies.engines.engine), merged into its row, skipped or not; {} here."""
         return {}
 
     def agreement(self) -> Agreement | None:

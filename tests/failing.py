@@ -1,5 +1,5 @@
 """A strategy that breaks at run time, for the tests that prove a failed point does not stop a sweep."""
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 
 
 class ExplodingStrategy(ContiguousStrategy):

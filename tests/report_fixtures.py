@@ -21,7 +21,7 @@ from harness.store.calibration import Calibration, save
 from harness.config import CONTIGUOUS, CacheLayout, ModelConfig, Point, StrategyChoice, TimingConfig
 from harness.run.row import build_row
 from harness.store.files import row_filename, row_table, write_row
-from strategies.quantized import QuantizedStrategy
+from strategies.caches.quantized import QuantizedStrategy
 
 # The CPU default's shape (conf/model/cpu_small.yaml), written out so the fixture needs no config file.
 SHAPE = ModelConfig(name="cpu_small", vocab_size=32000, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,
@@ -32,13 +32,13 @@ DECODE_TOKENS = 8
 SLOWDOWN = {"contiguous": 2.0, "no_cache": 1.5, "quantized": 2.0}  # measured / roofline, so tests know the ratio to expect
 
 
-STRATEGY_CLASSES = {"no_cache": "strategies.no_cache.NoCacheStrategy",
-                    "contiguous": "strategies.contiguous.ContiguousStrategy", "flash": "strategies.flash.FlashStrategy",
-                    "quantized": "strategies.quantized.QuantizedStrategy"}
+STRATEGY_CLASSES = {"no_cache": "strategies.caches.no_cache.NoCacheStrategy",
+                    "contiguous": "strategies.caches.contiguous.ContiguousStrategy", "flash": "strategies.caches.flash.FlashStrategy",
+                    "quantized": "strategies.caches.quantized.QuantizedStrategy"}
 INT8 = QuantizedStrategy(format="int8").cache_layout(SHAPE)  # the layout the strategy declares for this shape
 # How far the fixture's int8 cache moves the outputs (planted: the report sets them beside the speedup).
 INT8_ACCURACY = {"top1_agreement": 0.97, "logit_kl_mean": 2.5e-4, "logit_max_abs_error": 0.031, "accuracy_steps": 8,
-                 "accuracy_reference": "strategies.contiguous.ContiguousStrategy:sdpa"}
+                 "accuracy_reference": "strategies.caches.contiguous.ContiguousStrategy:sdpa"}
 
 
 def point(strategy: str, batch: int, ctx: int) -> Point:
@@ -143,7 +143,7 @@ def _accuracy(kl: float, p99: float, kl_max: float, top1: float, perplexity_rati
 
 VARIANTS = {
     "contiguous": Variant("contiguous", STRATEGY_CLASSES["contiguous"], CONTIGUOUS, 1.0, {}),
-    "paged32": Variant("paged", "strategies.paged.PagedStrategy", CacheLayout(block_size=32), 1.03, {}),
+    "paged32": Variant("paged", "strategies.caches.paged.PagedStrategy", CacheLayout(block_size=32), 1.03, {}),
     "int8": Variant("quantized", QUANTIZED_CLASS, _quantized(format="int8"), 0.96,
                     _accuracy(1.6e-3, 1.2e-2, 0.21, 0.985, 1.0003)),
     "fp8": Variant("quantized", QUANTIZED_CLASS, _quantized(format="fp8_e4m3"), 0.97,

@@ -13,8 +13,8 @@ from harness.measure.accuracy import ReferencePasses, Windows, reference_pass, t
 from harness.measure.decoding import accuracy
 from harness.measure.group import measure_point
 from harness.measure.intervals import cluster_mean_interval
-from strategies.contiguous import ContiguousLayerCache, ContiguousStrategy
-from strategies.quantized import QuantizedStrategy
+from strategies.caches.contiguous import ContiguousLayerCache, ContiguousStrategy
+from strategies.caches.quantized import QuantizedStrategy
 from tests.conftest import GQA4, cpu_model, planned_point
 
 
@@ -159,7 +159,7 @@ def test_an_approximate_strategy_is_measured_in_its_own_process_run():
     point = planned_point("model=tiny", "strategy=contiguous", "strategy.backend=sdpa", "ctx=8", "decode_tokens=3")
     choice = dataclasses.replace(point.strategy, exact=False, strategy_class=f"{__name__}.WrongScaleStrategy")
     reference = planned_point("model=tiny", "strategy=quantized", "strategy.group_size=8").reference  # by capability
-    assert reference == "strategies.contiguous.ContiguousStrategy:sdpa"
+    assert reference == "strategies.caches.contiguous.ContiguousStrategy:sdpa"
     point = dataclasses.replace(point, reference=reference, accuracy=AccuracyConfig(tokens=40, steps=16))
     row = measure_point(dataclasses.replace(point, strategy=choice))
     assert row["status"] == "ok" and row["logit_kl_mean"] > 0 and row["accuracy_s"] > 0

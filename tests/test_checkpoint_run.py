@@ -38,7 +38,7 @@ def test_a_sweep_on_a_checkpoint_and_its_report(tmp_path):
     assert len(checkpoint["checkpoint_hash"]) == 16 and checkpoint["prompt"] == str(REPO_ROOT / "README.md")
     assert checkpoint["perplexity_reference"] > 1 and checkpoint["perplexity_delta"] == pytest.approx(
         checkpoint["perplexity"] - checkpoint["perplexity_reference"])
-    assert checkpoint["reference"] == "strategies.contiguous.ContiguousStrategy:sdpa"
+    assert checkpoint["reference"] == "strategies.caches.contiguous.ContiguousStrategy:sdpa"
     assert pd.isna(rows.loc[("checkpoint", "contiguous"), "perplexity"])  # exact: proven by its tokens instead
     assert pd.isna(rows.loc[("random", "quantized"), "perplexity"])  # random ids: no text to score
     assert rows.loc[("random", "quantized"), "top1_agreement"] > 0

@@ -81,7 +81,7 @@ class RecordingCache:
         self.given = []
 
     def attend(self, q, k, v, start_pos):
-        from strategies.attention import grouped_attention
+        from strategies.caches.attention import grouped_attention
 
         self.given.append((q.clone(), k.clone(), v.clone(), start_pos))
         return grouped_attention(q, k.transpose(1, 2), v.transpose(1, 2), q_offset=0)  # [B, T, H, D]
@@ -147,7 +147,7 @@ def test_a_compiled_step_calls_the_two_block_ops():
     """Under torch.compile a block is the graph's two ops, not its modules' small operators."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    from strategies.contiguous import ContiguousStrategy
+    from strategies.caches.contiguous import ContiguousStrategy
 
     with torch.inference_mode():
         session = ContiguousStrategy().new_session(cpu_model(TINY, matmul="c"), 2, 16)

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from harness.kernels import extension
-from strategies import StrategyUnavailable, cpu_kernel
-from strategies.contiguous import C_KERNEL
+from strategies import StrategyUnavailable
+from strategies.caches import cpu_kernel
+from strategies.caches.contiguous import C_KERNEL
 from tests.conftest import GQA4, STRATEGIES, same_at_thread_counts
 
 CPU = torch.device("cpu")

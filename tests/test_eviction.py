@@ -1,4 +1,4 @@
-"""Evicting caches (strategies/eviction.py), cross-layer sharing (layer_share) and key-channel pruning
+"""Evicting caches (strategies/caches/eviction.py), cross-layer sharing (layer_share) and key-channel pruning
 (think): what each keeps, the bytes it holds, the positions it attends at, its rewind, its options.
 Exactness at a budget that holds everything is in tests/test_exactness.py."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 
 from harness.config import ConfigError
 from harness.model.decoder import RotaryTable
-from strategies.attention import grouped_attention
-from strategies.eviction import EvictionLayerCache, EvictionStrategy
-from strategies.eviction_policies import Policy
-from strategies.layer_share import LayerShareStrategy
-from strategies.think import ThinKStrategy
+from strategies.caches.attention import grouped_attention
+from strategies.caches.eviction import EvictionLayerCache, EvictionStrategy
+from strategies.caches.eviction_policies import Policy
+from strategies.caches.layer_share import LayerShareStrategy
+from strategies.caches.think import ThinKStrategy
 from tests.conftest import GQA4, STRATEGIES, TINY, cpu_model, generate, planned_point
 
 CPU = torch.device("cpu")

@@ -75,7 +75,7 @@ def test_the_reference_is_not_degenerate():
 
 def test_a_wrong_cache_is_caught():
     """The comparison has teeth: a cache that drops its oldest entry changes the tokens."""
-    from strategies.contiguous import ContiguousLayerCache
+    from strategies.caches.contiguous import ContiguousLayerCache
 
     class ForgetfulCache(ContiguousLayerCache):
         def attend(self, q, k, v, start_pos):
@@ -122,7 +122,7 @@ def test_torch_flash_cache_bookkeeping_is_exact():
     even though the strategy itself declares CUDA-only (as specified) and is skipped on CPU points.
     """
     from strategies.base import CachedSession
-    from strategies.flash import TorchFlashLayerCache
+    from strategies.caches.flash import TorchFlashLayerCache
 
     model = cpu_model(GQA4)
     c = GQA4

@@ -18,7 +18,7 @@ from harness.measure.decoding import not_run
 from harness.run.plan import plan
 from harness.run.row import build_row
 from harness.store.files import write_row
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 from tests.conftest import refused_by_runner
 
 from tests.hardening_helpers import (  # noqa: F401 (tmpfs: a fixture)
@@ -295,12 +295,12 @@ def test_report_out_goes_where_said_or_nowhere(tmp_path, read_only_dir):
 
 def test_the_rows_strategy_comes_from_the_class():
     assert refusal("strategy=flash", "strategy.name=flash").startswith("strategy.name:")
-    point = planned("strategy=flash", "strategy._target_=strategies.contiguous.ContiguousStrategy")[0].point
+    point = planned("strategy=flash", "strategy._target_=strategies.caches.contiguous.ContiguousStrategy")[0].point
     assert point.strategy.name == ContiguousStrategy.name
-    assert point.strategy.strategy_class == "strategies.contiguous.ContiguousStrategy"
+    assert point.strategy.strategy_class == "strategies.caches.contiguous.ContiguousStrategy"
     row = build_row(point, not_run("skipped", "x"))
     assert row["strategy_family"] == ContiguousStrategy.name  # the class's, whatever the option was called
-    assert row["strategy"] == "flash(_target_=strategies.contiguous.ContiguousStrategy)"  # the name hides nothing
+    assert row["strategy"] == "flash(_target_=strategies.caches.contiguous.ContiguousStrategy)"  # the name hides nothing
 
 
 # --- 6. Every analytic figure in closed form ---------------------------------------------------------

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from strategies import StrategyOptionError, StrategyUnavailable
-from strategies import paged
-from strategies.dynamic import DynamicStrategy
-from strategies.no_cache import NoCacheStrategy
-from strategies.paged import PagedStrategy, gather_blocks, paged_decode_attention
-from strategies.static_full import StaticFullStrategy
+from strategies.caches import paged
+from strategies.caches.dynamic import DynamicStrategy
+from strategies.caches.no_cache import NoCacheStrategy
+from strategies.caches.paged import PagedStrategy, gather_blocks, paged_decode_attention
+from strategies.caches.static_full import StaticFullStrategy
 from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, REPO_ROOT, TINY, cpu_model, generate, same_at_thread_counts
 
 CPU = torch.device("cpu")

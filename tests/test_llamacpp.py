@@ -1,4 +1,4 @@
-"""llama.cpp as a group member (strategies/llamacpp.py) on a tiny GGUF model: its rows, its agreement
+"""llama.cpp as a group member (strategies/engines/llamacpp.py) on a tiny GGUF model: its rows, its agreement
 with the exact cache at full precision, its quantized KV scored by the accuracy pass, a rewind that
 repeats a step exactly, and an A/A pair of one llama.cpp member reading a ratio whose interval holds 1
 (device=cpu throughout). Skipped, with the command, where the wheel is not installed."""
@@ -66,7 +66,7 @@ def test_llamacpp_members_run_in_the_group_beside_the_exact_cache(model_file):
 
 
 def test_a_rewind_repeats_the_step(model_file):
-    from strategies.llamacpp import LlamaCppStrategy
+    from strategies.engines.llamacpp import LlamaCppStrategy
 
     model = build_model(read_checkpoint(model_file).shape, CPU, torch.float32, 0, "aten")
     session = LlamaCppStrategy(kv_type="f32").new_session(model, 2, 16)
@@ -84,7 +84,7 @@ def test_a_kv_type_the_engine_refuses_at_a_shape_is_a_skipped_row_with_its_reaso
 
 
 def test_a_batch_beyond_the_engines_sequences_is_a_skipped_row(model_file):
-    from strategies.llamacpp_library import load
+    from strategies.engines.llamacpp_library import load
 
     limit = int(load().lib.llama_max_parallel_sequences())
     _, row = measure_group(GroupRequest("wide", (point_of(model_file, "contiguous", f"batch={limit + 1}", "ctx=4"),

@@ -1,4 +1,4 @@
-"""OpenVINO as a group member (strategies/openvino.py) on a tiny GGUF model: its rows beside the exact
+"""OpenVINO as a group member (strategies/engines/openvino.py) on a tiny GGUF model: its rows beside the exact
 cache, the f32 member agreeing with it, u8 and u4 scored by the accuracy pass, a rewind that repeats a
 step, an A/A pair of one OpenVINO member (device=cpu throughout). What needs no wheel: its KV types and
 the skipped row naming the pip command. Skipped, with the command, where the wheel is not installed."""
@@ -13,7 +13,7 @@ import torch
 
 from harness.config import ConfigError
 from strategies.backends import StrategyUnavailable
-from strategies.openvino import CRASHES, OpenVINOStrategy
+from strategies.engines.openvino import CRASHES, OpenVINOStrategy
 from tests.conftest import planned_point
 from tests.peer_checks import aa_pair_ratio
 from tests.gguf_files import CONFIG, Q, byte_level_vocab, random_weights, write_gguf
@@ -33,7 +33,7 @@ def test_f32_is_held_to_the_exact_cache_and_the_quantized_types_are_scored():
 
 def test_without_its_wheel_it_is_a_skipped_row_naming_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "openvino", None)
-    monkeypatch.setattr("strategies.peer._importable", lambda package: False)
+    monkeypatch.setattr("strategies.engines.engine._importable", lambda package: False)
     strategy = OpenVINOStrategy(kv_type="u8")
     with pytest.raises(StrategyUnavailable, match=r"pip install -e '\.\[peers\]'"):
         strategy.kernel(CPU, torch.float32)

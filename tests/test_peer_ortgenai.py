@@ -1,4 +1,4 @@
-"""ONNX Runtime GenAI as a group member (strategies/ortgenai.py). What needs no wheel: its one KV type,
+"""ONNX Runtime GenAI as a group member (strategies/engines/ortgenai.py). What needs no wheel: its one KV type,
 held to the exact cache. With the wheel (slow tier): the fp32 member in a group on SmolLM2-135M beside the
 exact cache, agreeing within its bounds or failing by name (device=cpu). Skipped, with the command, where
 the wheel or the model's package is not installed."""
@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from harness.config import ConfigError
-from strategies.ortgenai import OrtGenAIStrategy
+from strategies.engines.ortgenai import OrtGenAIStrategy
 from tests.conftest import planned_point
 
 HAS_WHEEL = importlib.util.find_spec("onnxruntime_genai") is not None
@@ -51,7 +51,7 @@ def test_the_fp32_member_runs_in_the_group_beside_the_exact_cache():
 def test_an_aa_pair_of_the_fp32_member_reads_one():
     """Two identical ONNX Runtime GenAI members in one group: its own thread pool (not OpenMP) would spin
     after each step and the other member of the pair pay for it, round after round; it is told not to
-    (strategies.ortgenai.NO_SPINNING), and the pair's ratio holds 1."""
+    (strategies.engines.ortgenai.NO_SPINNING), and the pair's ratio holds 1."""
     from harness.measure.contention import noise_reasons
     from harness.measure.group import GroupRequest, measure_group
     from harness.measure.intervals import paired_ratio

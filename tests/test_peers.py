@@ -1,4 +1,4 @@
-"""Peers (strategies/peer.py): an engine as a member of a group, on a fake engine that runs everywhere
+"""Peers (strategies/engines/engine.py): an engine as a member of a group, on a fake engine that runs everywhere
 (tests/plugin/fake_engine.py); the engine's copy of the weights (harness/model/gguf_writer.py) read
 back; a missing wheel as a skipped row naming the pip command; a disagreeing engine as a failed row,
 never a timed one (device=cpu throughout)."""
@@ -67,7 +67,7 @@ def test_the_engines_copy_holds_the_decoders_weights_under_the_same_names(quanti
                                 for path in (quantized_file, written))
     tokens = torch.tensor([[1, 5, 9, 30, 2]])
     with torch.inference_mode():
-        from strategies.contiguous import ContiguousStrategy
+        from strategies.caches.contiguous import ContiguousStrategy
 
         logits = [ContiguousStrategy(backend="sdpa").new_session(m, 1, 8).prefill(tokens) for m in (source_model, copy_model)]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0 if kind == "F32" else 5e-2)
@@ -173,7 +173,7 @@ def test_llamacpp_without_its_wheel_is_a_skipped_row_naming_the_pip_command(monk
     import sys
 
     from strategies.backends import StrategyUnavailable
-    from strategies.llamacpp import LlamaCppStrategy
+    from strategies.engines.llamacpp import LlamaCppStrategy
 
     monkeypatch.setitem(sys.modules, "llama_cpp_py_sync", None)
     strategy = LlamaCppStrategy(kv_type="q8_0")

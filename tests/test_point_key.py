@@ -11,9 +11,9 @@ from harness.config.point import point_from_record
 from tests.conftest import planned_point
 
 TINY = ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, head_dim=16)
-CONTIGUOUS = StrategyChoice(name="contiguous", strategy_class="strategies.contiguous.ContiguousStrategy", backend="c",
+CONTIGUOUS = StrategyChoice(name="contiguous", strategy_class="strategies.caches.contiguous.ContiguousStrategy", backend="c",
                             caches_kv=True, exact=True, strategy_options={}, layout=CacheLayout())
-QUANTIZED = StrategyChoice(name="quantized", strategy_class="strategies.quantized.QuantizedStrategy", backend="c",
+QUANTIZED = StrategyChoice(name="quantized", strategy_class="strategies.caches.quantized.QuantizedStrategy", backend="c",
                            caches_kv=True, exact=False,
                            strategy_options={"format": "int4", "group_size": 32, "key_axis": "channel", "residual": 32},
                            layout=CacheLayout(value_bits=4, scale_bytes_per_token=8, residual_tokens=32))
@@ -24,7 +24,7 @@ POINTS = {
     "interleaved": dataclasses.replace(BASE, interleave="shape"),
     "limited_hugepages_repeat": dataclasses.replace(BASE, memory_limit_bytes=400_000_000, hugepages=True, repeat=2),
     "quantized_reference": dataclasses.replace(BASE, strategy=QUANTIZED,
-                                               reference="strategies.contiguous.ContiguousStrategy:sdpa"),
+                                               reference="strategies.caches.contiguous.ContiguousStrategy:sdpa"),
     "checkpoint_prompt": dataclasses.replace(
         BASE, model=dataclasses.replace(TINY, name="smol", checkpoint="/models/smol", tie_embeddings=True,
                                         rope_scaling="llama3", rope_scaling_factor=8.0),
@@ -64,3 +64,14 @@ def test_a_variant_is_keyed_as_its_class_and_options_set_by_hand():
     assert by_hand.strategy.variant == "quantized(format=int4,key_axis=channel,residual=32)"
     assert planned_point(*shape, "strategy=paged32").key == planned_point(*shape, "strategy=paged",
                                                                           "strategy.block_size=32").key
+
+
+def test_a_class_keeps_its_key_when_it_moves_into_a_kind_package():
+    """Sorting the strategies into strategies/caches and strategies/engines moved every class: the key
+    hashes the path without the kind, so a row measured before the move is found by a re-run after it."""
+    path_before = CONTIGUOUS.strategy_class.replace("caches.", "")  # where the class lived before
+    before = dataclasses.replace(CONTIGUOUS, strategy_class=path_before)
+    moved, old = dataclasses.replace(BASE, strategy=CONTIGUOUS), dataclasses.replace(BASE, strategy=before)
+    assert moved.key == old.key and moved.group_key() == old.group_key()
+    assert moved.identity()["strategy"]["strategy_class"] == "strategies.caches.contiguous.ContiguousStrategy"
+    assert moved.identity(hashed=True)["strategy"]["strategy_class"] == path_before

@@ -118,7 +118,7 @@ def test_the_path_rule_tells_a_stale_path(pointer, exists):
 @pytest.mark.parametrize("dotted, attribute, exists", [
     ("harness.run.plan", None, True), ("harness.run.plan.Plan", None, True), ("harness.run.plan", "Plan", True),
     ("harness.run.plan.measure_point", None, False), ("harness.measure.point", None, False),
-    ("strategies.base.Strategy.name", None, True), ("strategies.contiguous.ContiguousStrategy", "sdpa", True),
+    ("strategies.base.Strategy.name", None, True), ("strategies.caches.contiguous.ContiguousStrategy", "sdpa", True),
 ])
 def test_the_symbol_rule_tells_a_stale_symbol(dotted, attribute, exists):
     assert _symbol_exists(dotted, attribute) is exists

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import ModelConfig
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.base import StrategyOptionError, StrategyUnavailable
-from strategies.contiguous import ContiguousStrategy
-from strategies.quantization import (
+from strategies.caches.contiguous import ContiguousStrategy
+from strategies.caches.quantization import (
     QuantSpec, dequantize_per_channel, dequantize_per_token, pack_int4, quantize_per_channel,
     quantize_per_token, unpack_int4,
 )
-from strategies.quantized import QUANTIZED_KERNEL, QuantizedLayerCache, QuantizedStrategy
+from strategies.caches.quantized import QUANTIZED_KERNEL, QuantizedLayerCache, QuantizedStrategy
 from tests.conftest import GQA4, TINY, cpu_model, same_at_thread_counts
 
 CPU = torch.device("cpu")

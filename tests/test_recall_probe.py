@@ -11,7 +11,7 @@ import torch
 from harness.measure.accuracy import Windows, probe_windows, recall_probe, reference_pass, scored_after
 from harness.measure.intervals import cluster_percentile_interval
 from harness.measure.prompts import RECALL_CUE_TOKENS, recall_steps, recall_windows
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 from tests.conftest import GQA4, cpu_model, planned_point
 from tests.test_accuracy import REFERENCE, WrongScaleStrategy
 

@@ -12,7 +12,7 @@ from harness.report.document import Figure, to_markdown
 from tests import report_fixtures
 from tests.report_fixtures import DECODE_TOKENS, DTYPE, SHAPE, STRATEGY_CLASSES, Variant, write_variant_results
 
-EVICTION_CLASS = "strategies.eviction.EvictionStrategy"
+EVICTION_CLASS = "strategies.caches.eviction.EvictionStrategy"
 
 
 def _quality(kl: float, perplexity_ratio: float, recall: float) -> dict:

@@ -41,7 +41,7 @@ VALUES = {  # key -> values to draw, good and bad
     "prefill": ["compute", "random", "sometimes"],
     "strategy": [*sorted(strategy_targets()), "nosuch"],
     "strategy.block_size": [1, 4, 0, 2**63, "nan"],
-    "strategy._target_": ["strategies.no_cache.NoCacheStrategy", "nosuch.Klass", "os.path"],
+    "strategy._target_": ["strategies.caches.no_cache.NoCacheStrategy", "nosuch.Klass", "os.path"],
     "model.name": ["tiny", "a/b", ".x", "ok-name.v2", "''"],
     "model.n_heads": [4, 2, 3, 0],
     "model.n_kv_heads": [2, 1, 3, 0],

@@ -40,7 +40,7 @@ def test_rows_carry_the_variant_its_family_and_class_and_one_file_per_point():
     point = next(job.point for job in planned("strategy=contiguous,kivi4").jobs if job.point.strategy.variant == "kivi4")
     row = build_row(point, not_run("skipped", "test"))
     assert (row["strategy"], row["strategy_family"], row["strategy_class"]) == (
-        "kivi4", "quantized", "strategies.quantized.QuantizedStrategy")
+        "kivi4", "quantized", "strategies.caches.quantized.QuantizedStrategy")
     assert row_filename(row).startswith("quantized__tiny__b1__ctx16__")  # the class names the file: one per key
 
 
@@ -70,7 +70,7 @@ def test_the_reference_is_chosen_by_capability_whatever_the_names():
     swept = planned(f"strategy={VARIANTS}")
     groups = form_groups(swept.jobs, "shape", 1, 0)
     references = {job.point.reference for job in groups[0].jobs if not job.point.strategy.exact}
-    assert references == {"strategies.contiguous.ContiguousStrategy:sdpa"}
+    assert references == {"strategies.caches.contiguous.ContiguousStrategy:sdpa"}
 
 
 @pytest.mark.parametrize("options, as_chosen, name", [

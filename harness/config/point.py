@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
-from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_fields
+from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_as, keyed_fields
 from harness.config.layout import CacheLayout
 from harness.config.schema import AccuracyConfig, ModelConfig, TimingConfig
 from harness.config.validate import target_class
@@ -26,6 +26,21 @@ NO_COLUMNS = {COLUMN: None}
 # Fields of a point's identity that follow its strategy: the points timed together in one group differ
 # only in these (Point.group_key; harness.run.windows compares groups that differ in them and in ctx).
 FOLLOW_THE_STRATEGY = ("strategy", "matmul", "compile", "reference", "accuracy")
+# The sub-packages that sort strategies by kind (caches inside the decoder, foreign engines). A class's
+# place among them is not what it measures, and the classes lived directly under strategies/ before
+# they were sorted: keys hash the path without the kind, so rows measured before keep their keys.
+KIND_PACKAGES = ("strategies.caches.", "strategies.engines.")
+
+
+def class_identity(path: str | None) -> str | None:
+    """A strategy class path (or "<class path>:<backend>") as the key hashes it: without the kind's
+    sub-package (strategies.caches.contiguous.ContiguousStrategy is keyed without its `caches.`)."""
+    if path is None:
+        return None
+    for kind in KIND_PACKAGES:
+        if path.startswith(kind):
+            return "strategies." + path[len(kind):]
+    return path
 
 
 @dataclass(frozen=True)
@@ -36,7 +51,8 @@ class StrategyChoice:
 
     # the class's name attribute (strategies.base.Strategy.name): the row's `strategy_family`
     name: str = field(metadata={COLUMN: "strategy_family"})
-    strategy_class: str  # import path of the class, e.g. strategies.contiguous.ContiguousStrategy
+    # import path of the class, e.g. strategies.caches.contiguous.ContiguousStrategy (keyed without the kind)
+    strategy_class: str = field(metadata=keyed_as(class_identity))
     backend: str  # the kernel family that runs (auto resolved on this machine)
     caches_kv: bool  # the class stores K/V between steps
     exact: bool  # the class is proven to generate the no-cache reference's tokens
@@ -93,7 +109,7 @@ class Point:
     prompt_hash: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
     # Approximate strategies: the exact strategy their accuracy is measured against, "<class path>:<backend>"
     # (chosen by capability in harness.run.inputs); None for exact ones.
-    reference: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    reference: Optional[str] = field(default=None, metadata={**OPTIONAL_IN_KEY, **keyed_as(class_identity)})
     # How the accuracy pass of an approximate strategy runs; exact strategies carry the default (they
     # run none), so the setting never splits their keys. The row's measured accuracy columns say what ran.
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig, metadata={**OPTIONAL_IN_KEY, **NO_COLUMNS})
@@ -110,10 +126,10 @@ class Point:
         """Tokens per sequence at the end of the point: what a preallocated cache holds."""
         return self.ctx + self.decode_tokens
 
-    def identity(self) -> dict[str, Any]:
-        """Everything that defines the measurement, as plain JSON-able values: what the key hashes
-        (harness.config.keys)."""
-        return keyed_fields(self)
+    def identity(self, hashed: bool = False) -> dict[str, Any]:
+        """Everything that defines the measurement, as plain JSON-able values (harness.config.keys);
+        `hashed`: in the form the key hashes (a strategy class without its kind's sub-package)."""
+        return keyed_fields(self, hashed)
 
     def record(self) -> dict[str, Any]:
         """Every field, as plain JSON-able values: a row's config_json, and what another process
@@ -122,7 +138,7 @@ class Point:
 
     @property
     def key(self) -> str:
-        canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(self.identity(hashed=True), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def group_key(self) -> str:
@@ -131,7 +147,7 @@ class Point:
         strategy; and whether it caches K/V. A recompute strategy's step is compute-bound where a cached one's is
         memory-bound: their ratio moves with the machine's balance of the two between runs, which rounds
         cannot cancel, and its long steps would cap the rounds of every cached member beside it."""
-        shared = {k: v for k, v in self.identity().items() if k not in FOLLOW_THE_STRATEGY}
+        shared = {k: v for k, v in self.identity(hashed=True).items() if k not in FOLLOW_THE_STRATEGY}
         shared["caches_kv"] = self.strategy.caches_kv
         canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

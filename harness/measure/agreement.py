@@ -1,5 +1,5 @@
 """Agreement with the exact cache, for a strategy that claims full precision without a proof of exactness
-(an engine's decoder at its full-precision KV type: strategies.peer), checked before it is timed.
+(an engine's decoder at its full-precision KV type: strategies.engines.engine), checked before it is timed.
 
 Such a strategy declares its bounds (strategies.base.Strategy.agreement). Two checks, each stated in
 its row:

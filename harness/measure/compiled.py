@@ -6,7 +6,7 @@ failed row, never a step that runs partly eager under a compiled label). On CUDA
 "reduce-overhead" (inductor's kernels replayed from CUDA graphs; the tensors the layer caches hold are
 marked as static addresses, so the graphs write into the session's own tables); on a CPU it is the
 default mode, inductor's C++/OpenMP code generation. A strategy's own kernel enters the graph as a
-custom op (strategies.cpu_kernel) or the strategy does not declare itself compilable
+custom op (strategies.caches.cpu_kernel) or the strategy does not declare itself compilable
 (strategies.base.Strategy.compilable) and its point is skipped before anything is built.
 
 Positions: besides the token, the step's only changing input is its position, a Python int. Dynamo

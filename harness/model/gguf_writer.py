@@ -1,6 +1,6 @@
 """The model the harness runs, written as a GGUF file an external engine reads: the same weights.
 
-An engine measured beside the harness (strategies/peer.py) must decode the weights the harness's
+An engine measured beside the harness (strategies/engines/engine.py) must decode the weights the harness's
 decoder holds, not its own reading of a quantized file: llama.cpp would run Q4_1 matrices through its
 quantized kernels while the decoder runs their float32 dequantization. `float_gguf` writes the GGUF
 checkpoint's tensors dequantized once (gguf.quants.dequantize, the function harness.model.gguf_file

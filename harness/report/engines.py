@@ -1,5 +1,5 @@
 """The section "Against the engines": the harness's caches beside the engines users deploy instead
-(llama.cpp, ONNX Runtime GenAI: strategies/peer.py), measured in the same groups.
+(llama.cpp, ONNX Runtime GenAI: strategies/engines/engine.py), measured in the same groups.
 
 Rows are known as engine members by their `engine` column (what the member reported of itself), never
 by a strategy's name. Three tables, from the groups that hold at least one engine member:

@@ -177,7 +177,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("recall_kl_mean_ci_high", F, "nats", "high end of recall_kl_mean's 95% interval", "measured"),
     ("recall_tokens", I, "tokens", "repeated tokens the recall probe scored (one probe window per accuracy window)", "measured"),
     ("recall_distance", I, "tokens", "positions between each repeated token and its first occurrence in the prompt: a budget below it must have kept that token by choice, not by recency", "measured"),
-    # an engine measured as a member (strategies/peer.py): what it says of itself, and its agreement
+    # an engine measured as a member (strategies/engines/engine.py): what it says of itself, and its agreement
     ("engine", S, "", "peer members: the engine that decoded (llama.cpp, ...); null for the harness's own strategies", "measured"),
     ("engine_version", S, "", "peer members: the engine's version, from its library", "measured"),
     ("engine_kv_type", S, "", "peer members: the KV type in the engine's own words (f16, q8_0, u8 by channel)", "measured"),

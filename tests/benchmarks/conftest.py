@@ -25,7 +25,7 @@ from harness.measure.contention import CpuTimes, others_fraction
 from harness.measure.rounds import Rounds, RoundsOptions, Step, time_rounds
 from harness.model.cpu_linear import resolve_matmul
 from harness.model import build_model
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 
 DTYPE = torch.float32  # the honest CPU default (bf16 GEMV is slow on CPUs without AVX-512 bf16)
 SEED = 0

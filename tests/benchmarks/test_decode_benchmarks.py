@@ -13,7 +13,7 @@ import torch
 from harness.analysis import analytic
 from harness.run.catalog import strategy_catalog
 from strategies import StrategyUnavailable
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, PREFILL, SEED, control_for, time_benchmark
 
 pytestmark = pytest.mark.benchmark

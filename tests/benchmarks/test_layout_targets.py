@@ -35,10 +35,10 @@ from harness.analysis import analytic
 from harness.measure.memory import anon_hugepages_bytes, use_hugepages
 from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import build_model
-from strategies.contiguous import ContiguousStrategy
-from strategies.dynamic import DynamicStrategy
-from strategies.paged import PagedStrategy
-from strategies.static_full import StaticFullStrategy
+from strategies.caches.contiguous import ContiguousStrategy
+from strategies.caches.dynamic import DynamicStrategy
+from strategies.caches.paged import PagedStrategy
+from strategies.caches.static_full import StaticFullStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)

@@ -32,7 +32,7 @@ from harness.measure.roofs import measure_within
 from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.measure.timing import StepTimer
 from harness.model.cpu_gemv import gemv, unavailable
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 from tests.benchmarks.conftest import DTYPE, MATMUL, SEED
 
 pytestmark = [pytest.mark.target,  # opt-in (`pytest -m target`): not met on every CPU (docs/benchmarking.md)

@@ -16,8 +16,8 @@ import torch
 from harness.analysis import analytic
 from harness.measure.accuracy import teacher_forced
 from harness.measure.rounds import RoundsOptions, time_rounds
-from strategies.contiguous import ContiguousStrategy
-from strategies.quantized import QuantizedStrategy
+from strategies.caches.contiguous import ContiguousStrategy
+from strategies.caches.quantized import QuantizedStrategy
 from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)

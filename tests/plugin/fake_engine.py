@@ -1,5 +1,5 @@
 """A peer whose "engine" is the harness's own decoder behind another object: the proof that the peer
-infrastructure (strategies/peer.py) makes an engine a member of a group, with no engine's wheel.
+infrastructure (strategies/engines/engine.py) makes an engine a member of a group, with no engine's wheel.
 
 Its session reads the engine's copy of the weights (PeerStrategy.engine_weights: the float GGUF file
 harness.model.gguf_writer writes) into a decoder of its own and decodes with the contiguous cache, so it
@@ -14,8 +14,8 @@ import torch
 from harness.model import build_model
 from strategies.base import DecodeSession
 from strategies.backends import StrategyUnavailable
-from strategies.contiguous import ContiguousStrategy
-from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend
+from strategies.caches.contiguous import ContiguousStrategy
+from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend
 
 
 class FakeEngineSession(DecodeSession):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.attention import KERNEL_NAME, grouped_attention
+from strategies.caches.attention import KERNEL_NAME, grouped_attention
 from strategies.base import CachedSession, Strategy
 
 

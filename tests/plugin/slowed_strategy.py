@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 
 SPIN_S = 2e-4  # the last part of the wait is spun: time.sleep overshoots by tens of microseconds
 

@@ -2,7 +2,7 @@
  *
  * A C++ translation unit of the kernels' extension (harness/kernels/extension.py), the operators
  * harness_kernels::quantized_decode_attention and quantize_rows_ (ops.cpp); used by `quantized`
- * (strategies/quantized.py) for its decode steps on a CPU in fp32.
+ * (strategies/caches/quantized.py) for its decode steps on a CPU in fp32.
  *
  * Why dequantize in the kernel: a quantized cache is worth having because a step reads 1 (int8, fp8)
  * or 0.5 (int4) bytes per cached element instead of 4. Dequantizing the prefix into an fp32 copy first
@@ -23,9 +23,9 @@
  * or AVX2 with F16C and FMA (VECTOR_INTRINSICS), else the generic path runs. Other head widths and
  * int4 groups take the generic path: each block of tokens dequantized into a tile, then the fp32
  * kernels' block routines over it (attention_blocks.h). quantize_rows (at the end) is the write side:
- * a step's new rows quantized as strategies/quantization.py does, bit for bit.
+ * a step's new rows quantized as strategies/caches/quantization.py does, bit for bit.
  *
- * Layout (strategies/quantization.py): payload rows of one (sequence, head) at a byte stride; int8 and
+ * Layout (strategies/caches/quantization.py): payload rows of one (sequence, head) at a byte stride; int8 and
  * fp8 one byte per channel; int4 channel 2i in the low nibble of byte i and 2i + 1 in the high one,
  * stored as code + 8. Token-axis scales: D / span fp32 per token (span = D but for int4's groups).
  * Channel-axis key scales (KIVI): D fp32 per block of key_block tokens.
@@ -541,7 +541,7 @@ void quantized_decode_attention(const float *q, quantized_table keys, quantized_
 }
 
 /* ---- Quantizing a step's new rows (QuantizedLayerCache._store, token-axis scales): what
- * strategies/quantization.py's quantize_per_token computes, bit for bit, in one call instead of ~12
+ * strategies/caches/quantization.py's quantize_per_token computes, bit for bit, in one call instead of ~12
  * torch ops per table. Compiled without -ffast-math: x / s and amax / max
  * are IEEE divisions (as torch's), not products with a reciprocal. ---- */
 #pragma GCC push_options

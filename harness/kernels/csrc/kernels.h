@@ -16,7 +16,7 @@
 #define MAX_GROUP 32 /* most query heads per KV head any attention kernel takes (Llama 3: 4 at 8B, 8 at 70B, 16 at 405B) */
 #define MAX_DIM 512  /* largest head dimension any attention kernel takes (Llama 3: 128) */
 
-/* The quantized cache's payload formats (strategies/quantization.py names them int8, int4, fp8_e4m3). */
+/* The quantized cache's payload formats (strategies/caches/quantization.py names them int8, int4, fp8_e4m3). */
 enum { FORMAT_INT8 = 0, FORMAT_INT4 = 1, FORMAT_FP8_E4M3 = 2 };
 
 #ifdef __cplusplus

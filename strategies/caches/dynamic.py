@@ -9,7 +9,7 @@ users of Hugging Face models run.
 
 The tables have `contiguous`'s layout, so attention is `contiguous`'s, with the same backends and the
 same choice for `auto` (inherited from ContiguousStrategy; only the storage differs):
-- `sdpa`: torch SDPA on the grouped queries (strategies.attention), any device.
+- `sdpa`: torch SDPA on the grouped queries (strategies.caches.attention), any device.
 - `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32); the prompt through SDPA.
 - `auto` (default): `c` where it can run, else `sdpa`.
 
@@ -27,10 +27,10 @@ import torch
 
 from harness.config import CacheLayout
 from harness.model.random_fill import uniform_like_normal_
-from strategies import cpu_kernel
-from strategies.attention import grouped_attention
+from strategies.caches import cpu_kernel
+from strategies.caches.attention import grouped_attention
 from strategies.base import CachedSession
-from strategies.contiguous import ContiguousStrategy
+from strategies.caches.contiguous import ContiguousStrategy
 
 
 class DynamicLayerCache:

@@ -1,7 +1,7 @@
 """`quantized`: K and V stored at 8 or 4 bits with fp32 scales (KIVI / vLLM-fp8 style), preallocated
 per layer for max_len tokens. Approximate (`exact = False`): the harness measures how far it moves.
 
-Options (conf/strategy/quantized.yaml; the functions are in strategies.quantization):
+Options (conf/strategy/quantized.yaml; the functions are in strategies.caches.quantization):
 - `format`: int8 (default; one scale per token and KV head) | int4 (two codes a byte, one scale per
   `group_size` channels) | fp8_e4m3 (torch.float8_e4m3fn, scale amax / 448 per token and KV head).
 - `group_size` (int4): channels per scale; must divide head_dim.
@@ -29,7 +29,7 @@ Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what 
   online softmax over both segments). All formats and both key axes. Its quantize_rows also quantizes
   what a step writes to token-axis tables (bit-exact with quantization.quantize_per_token).
 - `torch` (any device, dtype): dequantize the filled prefix to the compute dtype, append the window,
-  SDPA (strategies.attention).
+  SDPA (strategies.caches.attention).
 - `auto` (default): `c` where it can run, else `torch` (strategies.backends). Rows name the kernel that ran.
 """
 from __future__ import annotations
@@ -39,12 +39,12 @@ import torch
 from harness.config import CacheLayout, ModelConfig
 from harness.kernels.extension import EXTENSION, Kernel, ops
 from harness.model.random_fill import uniform_like_normal_
-from strategies import quantization
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
-from strategies.attention import grouped_attention
+from strategies.caches import quantization
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
-from strategies.quantization import FORMATS, KEY_AXES, QuantSpec
+from strategies.caches.quantization import FORMATS, KEY_AXES, QuantSpec
 
 QUANTIZED_KERNEL = Kernel("cpu_quantized_attention.c")  # torch.ops.harness_kernels.quantized_decode_attention
 FP8_NAN_CODE = 0x7F  # e4m3fn's NaN (with either sign); random payloads must avoid it

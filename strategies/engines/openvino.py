@@ -1,5 +1,5 @@
-"""OpenVINO as a peer (strategies/peer.py): the plain OpenVINO runtime's CPU plugin running a stateful IR
-of the harness's weights (strategies.openvino_ir), one InferRequest per session, one token per sequence a
+"""OpenVINO as a peer (strategies/engines/engine.py): the plain OpenVINO runtime's CPU plugin running a stateful IR
+of the harness's weights (strategies.engines.openvino_ir), one InferRequest per session, one token per sequence a
 step, logits [B, V] read back.
 
 The KV cache is the request's state: the CPU plugin's fused attention node keeps it in the precision the
@@ -24,7 +24,7 @@ import torch
 from harness.config import CacheLayout, ModelConfig
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
+from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
 
 # kv_type -> the CPU plugin's properties for it. u4: keys by channel (KIVI-like), the issue's member.
 KV_PROPERTIES = {"f32": {"KV_CACHE_PRECISION": "f32"},
@@ -90,7 +90,7 @@ class OpenVINOStrategy(PeerStrategy):
         return EngineInfo(version=f"OpenVINO {_version()}", kv_type=words, isa=accepted["isa"])
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
-        from strategies.openvino_ir import stateful_model
+        from strategies.engines.openvino_ir import stateful_model
 
         if self.kv_type in CRASHES and _version() == "2026.4.1":
             raise StrategyUnavailable(CRASHES[self.kv_type])

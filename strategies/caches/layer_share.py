@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from harness.config import CacheLayout, ModelConfig
-from strategies import cpu_kernel
-from strategies.attention import grouped_attention
+from strategies.caches import cpu_kernel
+from strategies.caches.attention import grouped_attention
 from strategies.base import CachedSession, Strategy, StrategyOptionError
-from strategies.contiguous import BACKENDS, ContiguousLayerCache
+from strategies.caches.contiguous import BACKENDS, ContiguousLayerCache
 
 
 class SharedLayerCache:

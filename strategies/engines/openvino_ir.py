@@ -1,4 +1,4 @@
-"""The harness's weights as a stateful OpenVINO IR model (strategies/openvino.py runs it), written once per
+"""The harness's weights as a stateful OpenVINO IR model (strategies/engines/openvino.py runs it), written once per
 checkpoint hash beside the engines' other copies.
 
 OpenVINO's route for LLMs is a stateful IR: the past K/V of every layer are the model's variables
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from harness.model.gguf_writer import weights_dir
-from strategies.peer import transformers_model
+from strategies.engines.engine import transformers_model
 
 XML = "openvino_model.xml"
 STATE_PAIRS = ("key", "value")

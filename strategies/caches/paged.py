@@ -36,7 +36,7 @@ Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what 
 - `c`: decode steps through `cpu_paged_attention.c` (CPU, fp32), which reads each sequence's blocks in
   place through the table; the prompt goes through gather + SDPA.
 - `torch`: any device: the sequence's blocks are gathered into a contiguous [n_kv, B, L, D] copy
-  every call (viewed as [B, n_kv, L, D]), then SDPA on the grouped queries (strategies.attention).
+  every call (viewed as [B, n_kv, L, D]), then SDPA on the grouped queries (strategies.caches.attention).
   Reads the cache twice and writes it once per step: the cost of paging without a paged kernel.
 - `flash_attn`: `flash_attn.flash_attn_with_kvcache(..., block_table=...)` (CUDA, fp16/bf16, the
   flash_attn package): appends the new K/V into the blocks and attends in one launch. FlashAttention 2
@@ -54,8 +54,8 @@ import torch
 from harness.config import CacheLayout
 from harness.kernels.extension import Kernel, ops
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
-from strategies.attention import grouped_attention
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
 

@@ -1,4 +1,4 @@
-"""Which tokens an evicting cache keeps: the four policies of `strategies.eviction`, as pure torch.
+"""Which tokens an evicting cache keeps: the four policies of `strategies.caches.eviction`, as pure torch.
 
 A policy answers three questions, all per sequence and KV head (each KV head keeps its own tokens):
 - `weighted_rows(prompt_len)`: how many of the prompt's last query rows must hand back their attention
@@ -6,7 +6,7 @@ A policy answers three questions, all per sequence and KV head (each KV head kee
 - `select(...)`: which `budget` prompt tokens survive the end of prefill;
 - `victims(...)`: during decoding, once the cache holds budget + 1 tokens (the kept ones and the step's
   own), which one to drop.
-The weights come from the attention the step computes anyway (strategies.eviction): nothing here runs a
+The weights come from the attention the step computes anyway (strategies.caches.eviction): nothing here runs a
 second attention pass.
 
 The papers' rules and defaults:
@@ -35,7 +35,7 @@ KEEP = float("inf")  # the score of a token the policy never drops
 
 
 class Policy:
-    """One policy with its options (strategies.eviction.EvictionStrategy checks them)."""
+    """One policy with its options (strategies.caches.eviction.EvictionStrategy checks them)."""
 
     def __init__(self, name: str, budget: int, sinks: int, recent: int, window: int, kernel_size: int):
         self.name, self.budget = name, budget

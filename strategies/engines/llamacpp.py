@@ -1,7 +1,7 @@
 """llama.cpp as a member of a group: its own decoder and KV cache, fed one token per sequence a step.
 
 The session drives libllama through the `llama-cpp-py-sync` wheel's CFFI declarations of llama.h
-(strategies.llamacpp_library): the model the harness runs, as the float GGUF file
+(strategies.engines.llamacpp_library): the model the harness runs, as the float GGUF file
 harness.model.gguf_writer writes (the same weights, loaded once per process); a context per session
 with `type_k`/`type_v` the KV type (f32, f16, q8_0, q4_0), flash attention on (llama.cpp quantizes V
 only with it, and on for every KV type so they differ only by their cache), one KV stream per sequence
@@ -23,8 +23,8 @@ import torch
 
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.llamacpp_library import PACKAGE, Library, LibraryProblem, load
-from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
+from strategies.engines.llamacpp_library import PACKAGE, Library, LibraryProblem, load
+from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
 
 # kv_type -> (ggml_type enum value, what it stores). q8_0/q4_0: blocks of 32 with one fp16 scale.
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}

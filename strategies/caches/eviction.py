@@ -4,7 +4,7 @@ the harness measures how far it moves; at a budget that holds the whole sequence
 generates the exact cache's tokens (tests/test_exactness.py).
 
 Variants (conf/strategy/): `streaming`, `h2o`, `snapkv`, `tova` (the policies and their papers'
-defaults: strategies.eviction_policies), and `snapkv_int4` (SnapKV over int4 slots). Options:
+defaults: strategies.caches.eviction_policies), and `snapkv_int4` (SnapKV over int4 slots). Options:
 - `policy`, `budget`; the papers' parameters `sinks` (streaming), `recent` (h2o; 0: half the budget, as
   the paper splits it), `window` and `kernel_size` (snapkv's observation window and pooling);
 - `positions`: `original` (every token keeps the position it was computed at, as kvpress does) or
@@ -14,7 +14,7 @@ defaults: strategies.eviction_policies), and `snapkv_int4` (SnapKV over int4 slo
   in-cache positions are exactly the original keys with the sinks' keys rotated forward by the count of
   evicted tokens. Each step writes the sinks' keys so rotated from their original ones (a few rows,
   bitwise the original while nothing was evicted), rather than re-rotating the whole cache;
-- `format`: empty (the compute dtype) or a per-token format of strategies.quantization (int8, int4,
+- `format`: empty (the compute dtype) or a per-token format of strategies.caches.quantization (int8, int4,
   fp8_e4m3, with `group_size` for int4), stored and read as the `quantized` strategy's `torch` backend does.
 
 Slots: min(budget + 1, max_len) per sequence, KV head and layer. Between steps the cache holds at most
@@ -43,13 +43,13 @@ from __future__ import annotations
 import torch
 
 from harness.config import CacheLayout, ModelConfig
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
-from strategies.attention import grouped_attention
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, DecodeSession, Strategy, StrategyOptionError
-from strategies.eviction_policies import POLICIES, SCORES, Policy
-from strategies.eviction_store import FullWidthSlots, QuantizedSlots
-from strategies.quantization import FORMATS, QuantSpec
+from strategies.caches.eviction_policies import POLICIES, SCORES, Policy
+from strategies.caches.eviction_store import FullWidthSlots, QuantizedSlots
+from strategies.caches.quantization import FORMATS, QuantSpec
 
 WEIGHTED_KERNEL = "torch matmul + softmax (weights kept for the policy's scores)"
 BACKENDS = (Backend("torch", f"{{policy}} eviction over the kept slots: {SDPA_KERNEL} or {WEIGHTED_KERNEL}"),)

@@ -14,9 +14,9 @@ unfilled rows add nothing (a NaN there would: 0 * NaN is NaN). The mask is built
 and shared by the layers, as transformers builds its causal mask once per forward.
 
 Attention kernels (`strategy.backend`), both over all max_len positions:
-- `sdpa`: torch SDPA on the grouped queries (no K/V repeat, as strategies.attention) with the boolean
+- `sdpa`: torch SDPA on the grouped queries (no K/V repeat, as strategies.caches.attention) with the boolean
   mask, any device: what StaticCache runs.
-- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel) told to read
+- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.caches.cpu_kernel) told to read
   all max_len rows and give the unwritten ones weight exactly 0, so the step reads what SDPA's does at
   the rate the contiguous cache's reads run; the prompt still goes through SDPA with the mask. Where
   the kernel cannot run, the point is skipped with the reason.
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import CacheLayout
-from strategies import cpu_kernel
+from strategies.caches import cpu_kernel
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
-from strategies.contiguous import ContiguousLayerCache
+from strategies.caches.contiguous import ContiguousLayerCache
 
 KERNEL_NAME = "torch.sdpa(grouped q, no K/V repeat) over all max_len positions with a boolean mask"
 C_KERNEL = (f"{cpu_kernel.KERNEL_NAME} over all max_len positions, unwritten ones weighted 0, for decode "
@@ -99,7 +99,7 @@ class StaticFullStrategy(Strategy):
     name = "static_full"
     backends = BACKENDS
     # Fixed shapes are the layout's reason to exist: one graph for every position. The C kernel is the
-    # operator harness_kernels::decode_attention, eager and compiled alike (strategies.cpu_kernel).
+    # operator harness_kernels::decode_attention, eager and compiled alike (strategies.caches.cpu_kernel).
     compilable = True
 
     def __init__(self, backend: str = "auto", max_len: int | None = None):

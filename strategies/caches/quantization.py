@@ -1,7 +1,7 @@
 """Quantize and dequantize K/V rows: the pure functions behind the `quantized` strategy.
 
 Everything here is plain torch on tensors whose last dimension is the head dimension D, so the
-strategy (strategies.quantized) stores with these functions and the tests use them as the reference
+strategy (strategies.caches.quantized) stores with these functions and the tests use them as the reference
 the C kernel (cpu_quantized_attention.c) is checked against.
 
 Formats (symmetric, no zero point: K and V after RoPE are centred, as KIVI and vLLM assume):

@@ -4,20 +4,20 @@ The table is allocated once for the longest sequence a session will reach, so no
 copies it; a step writes one position and attends over the filled prefix [0, length).
 
 Attention kernels (`strategy.backend`; BACKENDS, in preference order, says what each needs):
-- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.cpu_kernel), which reads
+- `c`: decode steps through `cpu_decode_attention.c` (CPU, fp32; strategies.caches.cpu_kernel), which reads
   the cache faster than SDPA's CPU kernel (conf/sweep/attention_backends.yaml times the two); the
   prompt still goes through SDPA.
   Where the kernel cannot run, the point is skipped with the reason.
-- `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.attention), any device.
+- `sdpa`: torch's scaled_dot_product_attention on the grouped queries (strategies.caches.attention), any device.
 - `auto` (default): `c` where it can run, else `sdpa` (strategies.backends). Rows name the kernel that ran.
 """
 from __future__ import annotations
 
 import torch
 
-from strategies import cpu_kernel
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
-from strategies.attention import grouped_attention
+from strategies.caches import cpu_kernel
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy
 
@@ -59,7 +59,7 @@ class ContiguousLayerCache:
 class ContiguousStrategy(Strategy):
     name = "contiguous"
     backends = BACKENDS
-    compilable = True  # the C kernel is a torch operator, which a compiled graph calls (strategies.cpu_kernel)
+    compilable = True  # the C kernel is a torch operator, which a compiled graph calls (strategies.caches.cpu_kernel)
 
     def new_session(self, model, batch: int, max_len: int) -> CachedSession:
         c = model.cfg

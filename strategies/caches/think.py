@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import CacheLayout, ModelConfig
-from strategies.attention import KERNEL_NAME as SDPA_KERNEL
-from strategies.attention import grouped_attention
+from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
+from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
 

@@ -34,7 +34,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: 
 def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
                  visible: int | None = None) -> torch.Tensor:
     """The kernel on a layer's own layout: q [B, 1, H, D] (query head h = kv * G + g, as in
-    strategies.attention.grouped_attention) -> [B, 1, H, D]; rows visible.. weighted 0 (None: none)."""
+    strategies.caches.attention.grouped_attention) -> [B, 1, H, D]; rows visible.. weighted 0 (None: none)."""
     batch, _, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     grouped = q.reshape(batch, n_kv, n_heads // n_kv, head_dim)  # [B, n_kv, G, D]

@@ -1,5 +1,5 @@
-"""The slots an evicting cache (strategies.eviction) keeps its tokens in: K/V in the compute dtype, or
-quantized per token with strategies.quantization's functions (so a budget policy composes with a
+"""The slots an evicting cache (strategies.caches.eviction) keeps its tokens in: K/V in the compute dtype, or
+quantized per token with strategies.caches.quantization's functions (so a budget policy composes with a
 format). Slots are rows of tables preallocated per layer; a token is written into a free slot and
 stays there until a policy frees it, so no step moves the others.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from harness.model.random_fill import uniform_like_normal_
-from strategies import quantization
-from strategies.quantization import QuantSpec
+from strategies.caches import quantization
+from strategies.caches.quantization import QuantSpec
 
 
 def _scatter_rows(table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""ONNX Runtime GenAI as a peer (strategies/peer.py): the ONNX model its builder makes from the harness's
+"""ONNX Runtime GenAI as a peer (strategies/engines/engine.py): the ONNX model its builder makes from the harness's
 weights at fp32 for the CPU, one token a step through `Generator.append_tokens`, logits read back.
 
 The builder (`python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p fp32 -e cpu`) reads a Hugging
@@ -27,7 +27,7 @@ import torch
 from harness.model.gguf_writer import float_gguf, weights_dir
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.peer import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model
+from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model
 
 BUILT = "genai_config.json"  # the builder's last file: its presence marks a complete build
 # ONNX Runtime's own thread pool (not OpenMP) busy-waits for the next operator's work after each by

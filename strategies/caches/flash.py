@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy
-from strategies.contiguous import ContiguousLayerCache
+from strategies.caches.contiguous import ContiguousLayerCache
 
 
 class FlashAttnLayerCache:
