@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harness.config.validate import ConfigError
@@ -113,7 +113,7 @@ overrides = st.dictionaries(st.sampled_from(sorted(VALUES)), st.none(), max_size
 @example(drawn={"strategy": "paged", "strategy.block_size": "nan"})
 @example(drawn={"seed": 2**64})
 @example(drawn={"model.name": "a/b"})
-@settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=18)
 @given(drawn=overrides)
 def test_every_command_line_runs_or_is_refused_in_one_line(places, drawn):
     try:
