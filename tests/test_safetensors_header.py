@@ -134,7 +134,8 @@ def test_a_header_is_refused_exactly_where_safetensors_refuses_its_json(tmp_path
     assert not opened
     with pytest.raises(CheckpointError) as error:
         read_header(path)
-    assert says in str(error.value) and "\n" not in str(error.value) and f"'{path}'" in str(error.value), str(error.value)
+    message = str(error.value)
+    assert says in message and "\n" not in message and f"'{path}'" in message, message
 
 
 def test_a_key_listed_twice_is_refused_where_safetensors_keeps_one_unsaid(tmp_path):
