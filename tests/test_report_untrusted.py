@@ -1,7 +1,7 @@
-"""The report as a reader of folders it did not write: a readable file of the
-wrong shape is skipped and named as an unreadable one is; one odd row costs its own line, not the report;
-the report removes only files it wrote, and only once its new files are whole; it refuses an `out=` where
-its files would be read as rows. Each case is one line of a table.
+"""The report as a reader of folders it did not write: a readable file of the wrong shape is skipped and
+named as an unreadable one is; one odd row costs its own line, not the report; the report removes only
+files it wrote, and only once its new files are whole; it refuses an `out=` where its files would be read
+as rows. Each case is one line of a table.
 """
 from __future__ import annotations
 

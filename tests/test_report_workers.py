@@ -1,8 +1,8 @@
 """The report's forked workers (the loader's readers, the plotting sections: harness.files.workers) end with
-the report, however it ends, and every wait on one is bounded. Killed (SIGKILL,
-SIGTERM) while a worker reads or plots, or while a worker is blocked writing a result larger than a pipe
-holds, the report leaves no process behind; interrupted (SIGINT, to it alone or to its process group)
-while it waits on a worker, it returns at once.
+the report, however it ends, and every wait on one is bounded. Killed (SIGKILL, SIGTERM) while a worker
+reads or plots, or while a worker is blocked writing a result larger than a pipe holds, the report leaves
+no process behind; interrupted (SIGINT, to it alone or to its process group) while it waits on a worker,
+it returns at once.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ from harness.report.__main__ import main
 stage = sys.argv[1]
 if stage == "read":
     row_files.FILES_PER_PROCESS = 2
-    slow, real = "_read_slice_ipc", row_files._read_slice_ipc
+    real = row_files._read_slice_ipc
     row_files._read_slice_ipc = lambda *args: (time.sleep(600), real(*args))[1]
 else:
     apart.APART_MIN_ROWS = 1
@@ -141,7 +141,8 @@ def test_a_report_killed_while_its_workers_work_leaves_none_behind(tmp_path, sta
         report.send_signal(signum)
         assert wait_for(lambda: not any(alive(pid) for pid in workers), 10), "a worker outlived the report"
     finally:
-        os.killpg(report.pid, signal.SIGKILL) if report.poll() is None else None
+        if report.poll() is None:
+            os.killpg(report.pid, signal.SIGKILL)
         report.wait(10)
 
 
