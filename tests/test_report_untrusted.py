@@ -91,27 +91,59 @@ def test_a_column_no_row_has_of_two_types_in_two_files_costs_only_that_column(tm
     assert len(table) == GOOD_ROWS + 2 and "note" not in table and not table.attrs["skipped_files"]
 
 
-# One row whose point no run accepts, among good ones: (column, value); its line names the column
+# One row whose point no run accepts, among good ones: (column, value, the words its line gives)
+MUST_BE_AN_INTEGER = "must be an integer from 1"
 ODD_ROWS = {
-    "ctx 0": ("ctx", 0), "a negative batch": ("batch", -1), "decode_tokens 0": ("decode_tokens", 0),
-    "no layers": ("n_layers", 0), "head_dim 0": ("head_dim", 0), "no KV heads": ("n_kv_heads", 0),
-    "a negative vocabulary": ("vocab_size", -5), "ctx missing": ("ctx", None),
+    "ctx 0": ("ctx", 0, f"ctx: {MUST_BE_AN_INTEGER}"), "a negative batch": ("batch", -1, f"batch: {MUST_BE_AN_INTEGER}"),
+    "decode_tokens 0": ("decode_tokens", 0, f"decode_tokens: {MUST_BE_AN_INTEGER}"),
+    "no layers": ("n_layers", 0, f"n_layers: {MUST_BE_AN_INTEGER}"), "head_dim 0": ("head_dim", 0, f"head_dim: {MUST_BE_AN_INTEGER}"),
+    "no KV heads": ("n_kv_heads", 0, f"n_kv_heads: {MUST_BE_AN_INTEGER}"),
+    "a negative vocabulary": ("vocab_size", -5, f"vocab_size: {MUST_BE_AN_INTEGER}"),
+    "ctx missing": ("ctx", None, f"ctx: {MUST_BE_AN_INTEGER}"),
+    "decode_tokens missing": ("decode_tokens", None, f"decode_tokens: {MUST_BE_AN_INTEGER}"),
+    "no strategy": ("strategy", None, "strategy: names nothing"),
+    "options that are not JSON": ("strategy_options", "{", "strategy_options: not a JSON object"),
+    "an eviction score no model knows": ("cache_eviction_score", "zzz", "no prediction: "),
 }
 
 
 @pytest.mark.parametrize("case", ODD_ROWS)
 def test_one_odd_row_costs_its_own_line(tmp_path, case):
-    column, value = ODD_ROWS[case]
+    column, value, words = ODD_ROWS[case]
     folder = good_folder(tmp_path)
     here = build_report(folder, out_dir=tmp_path / "before").markdown.read_text()
     write_row(folder, {**row("contiguous", 4, 256), "roof_bandwidth_Bps": CPU_ROOF.bytes_per_s,
                        "roof_flops": CPU_ROOF.flops_per_s, column: value, "point_key": "odd"})
     text = build_report(folder, out_dir=tmp_path / "after").markdown.read_text()
     assert NOT_DRAWN not in text
-    assert "1 row(s) could not be predicted" in text and f"no prediction: {column}: must be an integer" in text
+    assert "1 row(s) could not be predicted" in text and words in text
     # the good rows' sections as they were: the plots and the summary of the cohort
     assert here.split("## Roofs")[0].split("Written")[1].split(".", 1)[1] == \
         text.split("## Roofs")[0].split("Written")[1].split(".", 1)[1]
+
+
+# One row whose measurement no clock gives (a prefill timed at 0, below 0, forever): drawn and judged
+# without it, no section lost
+ODD_MEASURES = {"prefill timed at 0": ("prefill_s", 0.0), "prefill below 0": ("prefill_s", -1.0),
+                "prefill forever": ("prefill_s", float("inf")), "bytes held infinite": ("kv_bytes_per_token_held", float("inf")),
+                "bytes held below 0": ("kv_bytes_per_token_held", -1.0)}
+
+
+@pytest.mark.parametrize("column", ["model", "strategy", "dtype", "device_name"])
+def test_a_name_longer_than_a_file_name_costs_no_plot(tmp_path, column):
+    folder = good_folder(tmp_path)
+    planted_file(folder, column, pa.array(["x" * 5000]))
+    text = build_report(folder, out_dir=tmp_path / "out").markdown.read_text()
+    assert NOT_DRAWN not in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("case", ODD_MEASURES)
+def test_one_odd_measurement_costs_no_section(tmp_path, case):
+    column, value = ODD_MEASURES[case]
+    folder = good_folder(tmp_path)
+    write_row(folder, {**row("contiguous", 4, 256), "roof_bandwidth_Bps": CPU_ROOF.bytes_per_s,
+                       "roof_flops": CPU_ROOF.flops_per_s, column: value, "point_key": "odd"})
+    assert NOT_DRAWN not in build_report(folder, out_dir=tmp_path / "out").markdown.read_text()
 
 
 @pytest.mark.parametrize("column, value", [("batch", 2**62), ("ctx", 2**40), ("n_layers", 2**31 - 1)])

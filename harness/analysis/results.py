@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from harness.analysis.analytic import Roof
@@ -162,8 +163,10 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
                 rows[column] = rows[column].astype(object)
                 rows.loc[found.index, column] = found[column]
     for column in AT_A_ROOF + ROOF_FREE:
-        if column != "roof_bound":
-            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+        if column != "roof_bound":  # bytes, FLOPs and seconds: a foreign row's infinity or negative is no figure
+            values = pd.to_numeric(rows[column], errors="coerce")
+            plain = values.astype(float)
+            rows[column] = values.mask(values.notna() & ~(np.isfinite(plain) & (plain >= 0)))
     rows["predicted_tokens_per_s"] = rows["batch"] / rows["predicted_step_s"].where(rows["predicted_step_s"] > 0)
     for measured, predicted in RATIOS:
         rows[f"ratio_{measured}"] = _ratio(rows[measured], rows[predicted])

@@ -89,7 +89,7 @@ class Cohort:
         """The model as a command line names it: `model=<preset>` where the rows' model is a preset of
         conf/model/ or their checkpoint is a preset's (a checkpoint's rows are named after its file,
         which is no preset), else `model.checkpoint=<the file or folder the rows read>`."""
-        if (config_dir() / "model" / f"{self.model}.yaml").is_file():
+        if is_preset(self.model):
             return f"model={self.model}"
         checkpoints = self.rows["checkpoint"].dropna() if "checkpoint" in self.rows else pd.Series(dtype=object)
         if not len(checkpoints):
@@ -113,6 +113,17 @@ class Cohort:
 
 # What the report needs to know of a strategy, it reads from the row's capability columns (caches_kv,
 # exact, cache_*), never from its name: a strategy added later appears in every table and plot.
+
+
+def is_preset(name: str) -> bool:
+    """Whether `name` is a preset of conf/model/ (a foreign row's model may be any text: no file, or none a
+    file can have)."""
+    if Path(name).name != name:
+        return False
+    try:
+        return (config_dir() / "model" / f"{name}.yaml").is_file()
+    except OSError:  # a name longer than a file's
+        return False
 
 
 def preset_of_checkpoint(path: str) -> str | None:

@@ -15,7 +15,7 @@ from harness.report import guard
 from harness.report import units as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, recompute_rows, SERIES
-from harness.report.plots import measured_ratio
+from harness.report.plots import measured_ratio, positive
 
 # `ref`: the example workload's figures, harness.analysis.curves.workload_figures (a dict of named
 # numbers, computed by the loader's step: this module does no arithmetic of the model).
@@ -157,7 +157,7 @@ def prefill_decode(ref: dict, cohorts: list[Cohort]) -> list[Block]:
         f"{fmt.seconds(ref['prefill_s'] / p)}, decode {fmt.seconds(ref['cached_step_s'])}.")]
     measured, time_ratios = [], []
     for g in cohorts:
-        rows = cached_rows(g.ok).dropna(subset=["prefill_s", "decode_step_s"])
+        rows = positive(cached_rows(g.ok), "prefill_s", "decode_step_s")  # a prefill timed at 0 has no time per token
         byte_ratios = {}  # (batch, ctx): the analytic ratio is the point's, whichever row of it, so looked up once
         for _, r in rows[["strategy", "batch", "ctx", "prefill_s", "decode_step_s"]].sort_values(["batch", "ctx"]).iterrows():
             pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
