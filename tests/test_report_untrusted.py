@@ -129,7 +129,7 @@ ODD_MEASURES = {"prefill timed at 0": ("prefill_s", 0.0), "prefill below 0": ("p
                 "bytes held below 0": ("kv_bytes_per_token_held", -1.0)}
 
 
-@pytest.mark.parametrize("column", ["model", "strategy", "dtype", "device_name"])
+@pytest.mark.parametrize("column", ["model", "strategy", "strategy_family", "dtype", "device_name", "point_key"])
 def test_a_name_longer_than_a_file_name_costs_no_plot(tmp_path, column):
     folder = good_folder(tmp_path)
     planted_file(folder, column, pa.array(["x" * 5000]))

@@ -174,8 +174,7 @@ def variant_points(cohort: Cohort) -> list[VariantPoint]:
     for _, row in newest_per_point(cached, [SERIES, "batch", "ctx"]).iterrows():  # repeats: one line, pooled
         if (row["batch"], row["ctx"]) not in points:
             continue
-        per_token = value(row, "kv_bytes_per_token_held")
-        per_token = float("nan") if per_token is None else per_token
+        per_token = _or_nan(value(row, "kv_bytes_per_token_held"))
         reference_per_token = held_beside(cached, row, reference)
         steps = max(int(row["decode_tokens"]), 1)
         seconds = [cohort.at(one, row["batch"], row["ctx"], "predicted_step_s") for one in (row[SERIES], reference)]
@@ -225,7 +224,10 @@ class FrontPoint:
 def front_points(points: list[VariantPoint]) -> list[FrontPoint]:
     """Per context an accuracy was measured after, each approximate variant's measurement that scored
     the most tokens (the largest batch on a tie: batches differ only in which sequences were scored), and
-    every exact variant, which is exact after any context."""
+    every exact variant, which is exact after any context. A point without a figure of bytes held (a
+    foreign row's infinity or negative, left null by the loader) has no place on the plane: its table line
+    says so, and the variant's other points stand for it."""
+    points = [p for p in points if math.isfinite(p.scored_bytes_per_token) and p.scored_bytes_per_token > 0]
     best: dict[tuple[int, str], VariantPoint] = {}
     for point in points:
         if point.accuracy.exact or point.accuracy.kl is None:
