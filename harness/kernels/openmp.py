@@ -14,7 +14,7 @@ A shorter spin lets a waiting thread give its core up within tens of microsecond
 scheduler's idle balancing moves the descheduled thread onto it; the price is a futex wake-up where a
 region begins after a gap longer than the spin, on the quiet machine too: a trade, not a free fix.
 At 1,000 spins the exact step's slowdown under one busy core comes down to the engines' (x2.1-3.8
-before, x1.8-2.4 after; llama.cpp x2.3-2.7, OpenVINO x1.2-1.5) for 6-24% on the quiet step, in three
+before, x1.8-2.4 after; llama.cpp x2.3-2.7, OpenVINO x1.2-1.5) for 6-24% on the quiet step, in four
 measurements; 500 and 300 spins remove more of the one and cost more of the other (17-52% quiet), and
 OMP_WAIT_POLICY=PASSIVE (no spin) x1.02-1.04 busy for about 50% quiet. docs/performance.md ("A busy
 neighbour") has the figures; tests/benchmarks/test_busy_neighbour.py checks both sides.

