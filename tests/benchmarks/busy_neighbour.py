@@ -6,8 +6,8 @@ drift lands on both alike. A member's slowdown is its mean step time with the ne
 without it: what the neighbour costs each member in the same run, comparable across members.
 
 Run as its own process (`python -m tests.benchmarks.busy_neighbour`), as a group's process runs: the
-harness is imported before torch, so the OpenMP runtime starts with the harness's wait policy
-(harness.kernels.openmp), or with the caller's OMP_WAIT_POLICY / GOMP_SPINCOUNT where they are set.
+OpenMP runtime reads the caller's OMP_WAIT_POLICY / GOMP_SPINCOUNT when torch loads it, so each
+setting measured is one process started with it.
 Prints one JSON line. tests/benchmarks/test_busy_neighbour.py runs it and compares the slowdowns.
 
 The neighbour is `python -c "while True: pass"` pinned to the last CPU. It is this process's child for
@@ -16,7 +16,6 @@ process dies first (PR_SET_PDEATHSIG), so it never outlives the measurement.
 """
 from __future__ import annotations
 
-import harness  # noqa: F401 - first: the OpenMP wait policy is set before torch loads libgomp
 
 import contextlib
 import ctypes
