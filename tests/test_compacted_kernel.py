@@ -14,6 +14,7 @@ from harness.config import ModelConfig
 from strategies.caches import quantization
 from strategies.caches.compacted_kernel import COMPACTED_KERNEL, compacted_attention
 from strategies.caches.eviction_policies import StepWeights
+from strategies.caches.think import ThinKStrategy
 from tests.conftest import HEAD128, cpu_model, same_at_thread_counts
 from tests.test_eviction import variant
 
@@ -142,3 +143,13 @@ def test_an_evicting_step_through_the_kernel_is_the_torch_backends(shaped, name,
         assert cache.kernel and not reference.kernel
         assert torch.equal(cache.positions, reference.positions) and torch.equal(cache.fill, reference.fill)
         torch.testing.assert_close(cache.scores, reference.scores, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.6, 1.0])
+def test_think_through_the_kernel_is_the_torch_backends(shaped, keep_fraction):
+    model, prompt, fed = shaped
+    (torch_logits, _), (c_logits, caches) = [
+        _session_logits(ThinKStrategy(backend=backend, keep_fraction=keep_fraction, window=8), model, prompt, fed)
+        for backend in ("torch", "c")]
+    assert caches[0].kernel and caches[0].k.shape[-1] == max(1, round(keep_fraction * model.cfg.resolved_head_dim))
+    torch.testing.assert_close(c_logits, torch_logits, rtol=1e-4, atol=1e-4)
