@@ -40,6 +40,8 @@ length inside the prompt.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.config import CacheLayout, ModelConfig
@@ -339,15 +341,19 @@ class EvictionStrategy(Strategy):
         return f"{self.policy.name} eviction, {kind} over the kept slots{stored}"
 
     def cache_layout(self, shape: ModelConfig | None = None) -> CacheLayout:
+        weighted = self.policy.step_weights != StepWeights.IGNORE
+        policy = CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score,
+                             slot_bytes=POSITION_DTYPE.itemsize + SCORE_DTYPE.itemsize,
+                             slot_write_bytes=SCORE_DTYPE.itemsize if weighted else 0)
         if self.spec is None:
-            return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score)
+            return policy
         if shape is None and self.format == "int4":
             raise ValueError("eviction: int4 slots' scale bytes depend on head_dim; pass the model shape")
         if shape is not None:
             self._check_shape(shape)
         head_dim = shape.resolved_head_dim if shape is not None else 1
-        return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score,
-                           value_bits=self.spec.value_bits, scale_bytes_per_token=self.spec.scale_bytes_per_token(head_dim))
+        return dataclasses.replace(policy, value_bits=self.spec.value_bits,
+                                   scale_bytes_per_token=self.spec.scale_bytes_per_token(head_dim))
 
     def _check_shape(self, shape: ModelConfig) -> None:
         if self.format == "int4" and shape.resolved_head_dim % self.group_size:
