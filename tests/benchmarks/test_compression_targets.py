@@ -1,5 +1,5 @@
 """What the compressed caches' decode steps buy against the exact cache, each on its C kernel and on its
-torch backend, timed in the same interleaved rounds (issue 45's targets; docs/evidence.md has the sweep).
+torch backend, timed in the same interleaved rounds (their speed targets; docs/evidence.md has the sweep).
 
 At the heavy point (batch 16, 2048 cached tokens of random K/V: the cache ~8x the weights a step reads,
 well past the crossover) every evicting policy at a 256-token budget, SnapKV over int4 slots and ThinK
