@@ -86,7 +86,8 @@ def form_groups(planned: list, interleave: str, repeats: int, seed: int) -> list
     index. A point that cannot fit (does_not_fit) stays alone: its row is a skipped one."""
     by_shape: dict[str, list] = {}
     for one in planned:
-        alone = interleave == "none" or one.does_not_fit is not None
+        # a serving run is a process of its own: its iterations are not steps to interleave with others'
+        alone = interleave == "none" or one.does_not_fit is not None or one.point.serving is not None
         by_shape.setdefault(one.point.key if alone else one.point.group_key(), []).append(one)
     groups = []
     for repeat in range(repeats):

@@ -45,7 +45,13 @@ def _to_version_2(rows: pd.DataFrame, old: pd.Series) -> None:
     results.add_predictions), which fills every roof-free prediction a row lacks."""
 
 
-STEPS = {0: _to_version_1, 1: _to_version_2}  # version -> the function bringing its rows to the next version
+def _to_version_3(rows: pd.DataFrame, old: pd.Series) -> None:
+    """Version 2 to 3: the serving run's columns were added (workload_*, serving_*, the serving metrics);
+    a row of version 2 or before is a step measurement, whose serving columns are null, as `complete`
+    leaves them."""
+
+
+STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3}  # version -> the function bringing its rows to the next version
 
 
 def upgrade(rows: pd.DataFrame) -> pd.DataFrame:

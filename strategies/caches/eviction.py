@@ -52,7 +52,9 @@ from strategies.backends import Backend, choose
 from strategies.base import CachedSession, DecodeSession, Strategy, StrategyOptionError
 from strategies.caches.eviction_policies import EvictionPolicy, StepWeights, StreamingPolicy, policy_of
 from strategies.caches.eviction_store import FullWidthSlots, QuantizedSlots
-from strategies.caches.quantization import FORMATS, QuantSpec
+from strategies.caches.pools import PerSequencePool
+from strategies.caches.quantization import FORMATS, QuantSpec, payload_width
+from strategies.serving import SequenceMemory
 
 WEIGHTED_KERNEL = "torch matmul + softmax (weights kept for the policy's scores)"
 # Decode steps (strategy.backend; `auto` takes the first that can run, strategies.backends): the
@@ -297,6 +299,25 @@ class EvictionStrategy(Strategy):
     exact = False  # dropped tokens move the logits; the harness measures by how much
     graph_capturable = False  # each step's slot is chosen from its data, and the replay log is kept in Python
     backends = BACKENDS
+    chunked_prefill = False  # the policy chooses its tokens over the whole prompt, at position 0
+
+    def serving_unavailable(self) -> str | None:
+        return None
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """Its slots, min(budget + 1, prompt + max_tokens), taken at admission: K and V (and their scales),
+        an int32 position and an fp32 score per slot and KV head; per head the next free slot (int64), the
+        slots in use (int32, read by the compacted-slot kernel) and the sinks' original keys (in_cache
+        positions)."""
+        heads, head_dim = shape.n_layers * shape.n_kv_heads, shape.resolved_head_dim
+        stored = (2 * head_dim * dtype.itemsize if self.spec is None else
+                  2 * payload_width(self.format, head_dim) + int(self.spec.scale_bytes_per_token(head_dim)))
+        sinks = self.policy.protected_first * head_dim * dtype.itemsize if self.positions == "in_cache" else 0
+        return SequenceMemory(heads * (stored + 8), reserved=True, kept_tokens=self.policy.budget + 1,
+                              sequence_bytes=heads * (8 + 4 + sinks))
+
+    def new_pool(self, model, memory, budget_bytes, max_len) -> PerSequencePool:
+        return PerSequencePool(self, model, max_len, self.kernel(model.device, model.dtype, model.cfg))
 
     def __init__(self, backend: str = "auto", policy: str = StreamingPolicy.name, budget: int = 256, positions: str = "original",
                  format: str = "", group_size: int = 32, **parameters):
