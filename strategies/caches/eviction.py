@@ -264,6 +264,7 @@ class EvictionStrategy(Strategy):
     exact = False  # dropped tokens move the logits; the harness measures by how much
     graph_capturable = False  # each step's slot is chosen from its data, and the replay log is kept in Python
     backends = BACKENDS
+    cache_cap_option = "budget"  # the cache never holds more
 
     def __init__(self, backend: str = "auto", policy: str = "streaming", budget: int = 256, sinks: int = 4,
                  recent: int = 0, window: int = 32, kernel_size: int = 5, positions: str = "original",
@@ -282,14 +283,14 @@ class EvictionStrategy(Strategy):
             if policy == policy_using and value >= budget:
                 raise StrategyOptionError(option, f"{value} leaves no room in a budget of {budget} tokens; "
                                                   f"must be < budget")
+        if format not in ("", *FORMATS):  # before positions, which depends on it
+            raise StrategyOptionError("format", f"unknown value {format!r}, allowed: '' (the compute dtype), "
+                                                f"{', '.join(FORMATS)}")
         if positions not in POSITIONS:
             raise StrategyOptionError("positions", f"unknown value {positions!r}, allowed: {', '.join(POSITIONS)}")
         if positions == "in_cache" and (policy != "streaming" or format):
             raise StrategyOptionError("positions", "in_cache (StreamingLLM's ranks inside the cache) is defined for "
                                                    "policy=streaming over full-width slots; allowed here: original")
-        if format not in ("", *FORMATS):
-            raise StrategyOptionError("format", f"unknown value {format!r}, allowed: '' (the compute dtype), "
-                                                f"{', '.join(FORMATS)}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise StrategyOptionError("group_size", f"must be an even integer >= 2, got {group_size!r}")
         self.policy = Policy(policy, budget, sinks if policy == "streaming" else 0, recent or budget // 2, window,
