@@ -36,19 +36,24 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.analysis.analytic import weight_bytes
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
 from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
-from harness.measure.memory import shortfall
+from harness.measure.memory import available_bytes, shortfall
 from harness.measure.decoding import not_run
-from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, PASS_THROUGH_FLAGS, RUN_FLAGS, VALUE_FLAGS,  # noqa: F401
-                                      check_flags, check_hydra_keys, check_job_options, check_output_settings,
-                                      compose_config, composition_error, hydra_order, parse_overrides)
+from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, OWN_ARGUMENT_FLAGS, PASS_THROUGH_FLAGS,  # noqa: F401
+                                      RUN_FLAGS, check_flags, check_hydra_keys, check_job_options,
+                                      check_output_settings, compose_config, composition_error, hydra_order,
+                                      parse_overrides, split_flags)
+from harness.run.catalog import strategy_class
+from harness.run.effect import check_accuracy_selection, check_checkpoint_shape
 from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
 from harness.run.variants import variant_of
 from harness.store.columns import SCHEMA
+from strategies.base import StrategyOptionError
 
 CONFIG_DIR = str(config_dir())
 GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
@@ -110,17 +115,15 @@ def needs_preflight(argv: list[str]) -> bool:
     return not any(arg.split("=", 1)[0] in PASS_THROUGH_FLAGS for arg in argv)
 
 
-def check_printed_config(argv: list[str]) -> None:
-    """`--cfg job --resolve` prints the config with its interpolations resolved: ConfigError in one line,
-    as for a run, for one that does not resolve (Hydra's own answer is a traceback)."""
-    if "--resolve" not in argv:
-        return
-    register_schemas()
-    flag_values = [i + 1 for i, arg in enumerate(argv) if arg in VALUE_FLAGS]  # `--cfg job`: job is no override
-    overrides = [arg for i, arg in enumerate(argv) if not arg.startswith("-") and i not in flag_values]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        compose_config([o.input_line for o in parse_overrides(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
+def check_shown_config(argv: list[str], cuda_available) -> None:
+    """A command line with Hydra's own flags (--cfg job, --info, --help, ...): the config they print is
+    composed from its overrides, so those are planned first as a run of them would be (the same one-line
+    ConfigError, a value refused or coerced included): what a user inspects is what the runner would
+    run. Flags that compose no config of these overrides (--version, --shell-completion, whose
+    arguments are not overrides) are left to Hydra."""
+    flags, overrides = split_flags(argv)
+    if overrides and not any(flag.split("=", 1)[0] in OWN_ARGUMENT_FLAGS for flag in flags):
+        plan([*(flag for flag in flags if flag in MULTIRUN_FLAGS + RUN_FLAGS), *overrides], cuda_available)
 
 
 def plan(argv: list[str], cuda_available) -> Plan:
@@ -128,24 +131,49 @@ def plan(argv: list[str], cuda_available) -> Plan:
 
     Raises ConfigError with one line naming the key and what is allowed.
     """
+    command, jobs = _planned(argv, cuda_available)
+    check_accuracy_selection(jobs)
+    first = jobs[0]
+    if first.config.search != "none" and len(jobs) > 1:
+        raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
+                                    "model and ctx (no lists), or search=none for a sweep")
+    if not command.multirun and first.does_not_fit is not None:
+        key, smaller = memory_key(first.point)
+        raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller {smaller}")
+    groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
+    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+
+
+def _planned(argv: list[str], cuda_available) -> tuple["_CommandLine", list[PlannedPoint]]:
+    """The command line and each of its points, composed, validated and resolved."""
     register_schemas()
     check_flags(argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
         jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
     _check_distinct(jobs)
-    first = jobs[0]
-    if first.config.search != "none" and len(jobs) > 1:
-        raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
-                                    "model and ctx (no lists), or search=none for a sweep")
-    if not command.multirun and first.does_not_fit is not None:
-        key = _largest_size(first.point)
-        key = key if key.startswith("strategy.") and first.point.ctx + first.point.decode_tokens < \
-            first.point.strategy.strategy_options[key.removeprefix("strategy.")] else "model"  # an option past the sequence
-        raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller "
-                               f"{key if key != 'model' else 'model, batch or ctx'}")
-    groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
-    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+    return command, jobs
+
+
+def memory_key(point) -> tuple[str, str]:
+    """The key a point that cannot fit in its memory is refused on, and what to choose smaller: the
+    model where its weights alone take that memory; else a strategy option that sizes the cache apart
+    from the sequence (strategies.base.Strategy.cache_allocation_options past it, the largest; its
+    cache_cap_option below it); else the largest of batch, ctx and decode_tokens."""
+    have = available_bytes(point.device)
+    have = min(have, point.memory_limit_bytes) if point.memory_limit_bytes is not None else have
+    weights = weight_bytes(point.model, point.dtype)
+    if weights >= have:
+        return "model", f"model (its weights alone need ~{weights / 2**20:,.1f} MiB)"
+    cls, options = strategy_class(point.strategy.strategy_class), point.strategy.strategy_options
+    past = {name: options[name] for name in cls.cache_allocation_options
+            if isinstance(options.get(name), int) and options[name] > point.max_len}
+    cap = cls.cache_cap_option
+    option = max(past, key=past.get) if past else cap if cap and options.get(cap, point.max_len) < point.max_len else None
+    if option is not None:
+        return f"strategy.{option}", f"strategy.{option} or batch"
+    sizes = {"batch": point.batch, "ctx": point.ctx, "decode_tokens": point.decode_tokens}
+    return max(sizes, key=sizes.get), "batch or ctx"
 
 
 def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
@@ -157,7 +185,7 @@ def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
     try:
         members = []
         for key, overrides in spec.members:
-            job = as_member(plan(["-m", *overrides], cuda_available).jobs[0], spec.mode, spec.repeat)
+            job = as_member(_planned(["-m", *overrides], cuda_available)[1][0], spec.mode, spec.repeat)
             if job.point.key != key:
                 raise ConfigError(GROUP_KEY, f"{job.point.label()} plans as key {job.point.key} here, not the sweep's "
                                              f"{key}: the job runs other code or config than the sweep")
@@ -222,8 +250,17 @@ def _compose_base(parsed) -> object:
         try:
             first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in sweeps]
             return compose_config(plain + first, with_hydra=True)
+        except StrategyOptionError as lacking:  # the sweep's first strategy lacks it: said of that one
+            raise _in_a_sweep(lacking) if any(o.get_key_element() == "strategy" for o in sweeps) else lacking from None
         except (ConfigError, HydraException, StopIteration):
             raise error from None
+
+
+def _in_a_sweep(error: StrategyOptionError) -> ConfigError:
+    """A strategy option that one strategy of a sweep does not take, said of that one, with how to give
+    it to the others: every strategy of a sweep gets every `strategy.*` override."""
+    return ConfigError(error.key, f"{str(error).removeprefix(error.key + ': ')}; a sweep gives every strategy it "
+                                  f"sweeps each strategy.* override: sweep the strategies that take {error.key} apart")
 
 
 def sweep_jobs(overrides: list) -> list[list[str]]:
@@ -245,7 +282,10 @@ def sweep_jobs(overrides: list) -> list[list[str]]:
 def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One job composed (once per job in a sweep), validated and resolved into its point."""
     check_job_options(job)
-    cfg = command.base if not command.multirun else compose_config(job, with_hydra=True)
+    try:
+        cfg = command.base if not command.multirun else compose_config(job, with_hydra=True)
+    except StrategyOptionError as error:  # composed with another strategy of the sweep before
+        raise _in_a_sweep(error) from None
     variant = variant_of(cfg, job, lambda overrides: compose_config(overrides, with_hydra=False), command.as_chosen)
     with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
         del cfg["hydra"]
@@ -260,6 +300,7 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
         point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
         raise composition_error(error) from None
+    check_checkpoint_shape(job, cfg.model, point.model)
     check_point(point)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
     return PlannedPoint(tuple(job), cfg, point, does_not_fit)
