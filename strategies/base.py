@@ -158,9 +158,8 @@ class Strategy(ABC):
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        """The options a YAML or `strategy.<option>=` may set: the keyword arguments of `__init__`."""
-        parameters = inspect.signature(cls.__init__).parameters.values()
-        return tuple(p.name for p in parameters if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        """The options a YAML or `strategy.<option>=` may set (`option_defaults`)."""
+        return tuple(cls.option_defaults())
 
     @classmethod
     def no_such_option(cls, option: str, chosen: str | None = None) -> StrategyOptionError:
@@ -189,6 +188,13 @@ class Strategy(ABC):
     def declared(cls, name: str) -> Backend:
         """The backend of that name."""
         return next(backend for backend in cls.backends if backend.name == name)
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """Every option `__init__` takes, `backend` included, and its default: its keyword arguments (a
+        class taking more through **kwargs, as eviction's policies' parameters, adds them)."""
+        signature = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in signature if p.name != "self" and p.kind == p.POSITIONAL_OR_KEYWORD}
 
     def options(self) -> dict:
         """The options besides `backend` this instance was built with (recorded in the point's key)."""
