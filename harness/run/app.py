@@ -48,8 +48,6 @@ from harness.run.resolve import cuda_available  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
 
 log = logging.getLogger("harness")
-LAUNCHER_LOGGERS = ("hydra._internal.core_plugins.basic_launcher",
-                    "hydra_plugins.hydra_submitit_launcher.submitit_launcher")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
@@ -78,13 +76,13 @@ def _fault_line(error: BaseException, results_dir: str, written: int) -> str:
             "whole: fix it and run the same command again to complete the sweep")
 
 
-def quiet_launchers(argv: list[str]) -> None:
+def quiet_launchers(argv: list[str], launcher: str | None) -> None:
     """Hydra's launchers log two lines per job (`Launching 1 jobs locally`, `#0 : <overrides>`) before
-    every progress line of ours, which says the same; they are kept for `hydra.verbose`."""
-    if any(arg.lstrip("+").startswith("hydra.verbose") for arg in argv):
+    every progress line of ours, which says the same; they are kept for `hydra.verbose`. `launcher`:
+    the launcher's class, whose module is its logger's name (Hydra's and submitit's launchers alike)."""
+    if launcher is None or any(arg.lstrip("+").startswith("hydra.verbose") for arg in argv):
         return
-    for name in LAUNCHER_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(launcher.rpartition(".")[0]).setLevel(logging.WARNING)
 
 
 def _search_max_batch(context: RunContext, planned) -> list:
@@ -123,7 +121,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted before the first point: nothing written", file=sys.stderr)
         return 130
-    quiet_launchers(argv)
+    quiet_launchers(argv, the_plan.launcher)
     points = the_plan.points
     context = RunContext(Progress(total=len(points)))
     progress = context.progress

@@ -59,7 +59,7 @@ CONFIG_DIR = str(config_dir())
 GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
 # Launchers whose jobs run on other hosts: a job checks its device and free memory there (harness.run.app).
 REMOTE_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs every job in this process
+IN_PROCESS_LAUNCHER = "basic"  # the hydra/launcher option (Hydra's default) that runs every job in this process
 RUN_ID_RESOLVER = "harness_run_id"  # ${harness_run_id:} in conf/config.yaml's hydra.run.dir and sweep.dir
 
 
@@ -99,6 +99,7 @@ class Plan:
     jobs: list[PlannedPoint]  # every point, in Hydra's order
     groups: list = field(default_factory=list)  # harness.run.grouping.PlannedGroup, in measuring order
     in_process: bool = True  # the jobs run in this process (no launcher, or Hydra's basic one)
+    launcher: str | None = None  # the launcher's class (hydra.launcher._target_); its module logs each job launched
 
     @property
     def points(self) -> list[Point]:
@@ -141,7 +142,8 @@ def plan(argv: list[str], cuda_available) -> Plan:
         key, smaller = memory_key(first.point)
         raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller {smaller}")
     groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
-    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process,
+                launcher=command.launcher)
 
 
 def _planned(argv: list[str], cuda_available) -> tuple["_CommandLine", list[PlannedPoint]]:
@@ -204,6 +206,7 @@ class _CommandLine:
     job_overrides: list  # each job's overrides, in Hydra's order
     elsewhere: bool  # a launcher runs the jobs on other hosts
     in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
+    launcher: str | None  # the launcher's class (hydra.launcher._target_)
     as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
 
 
@@ -234,8 +237,9 @@ def _command_line(argv: list[str]) -> _CommandLine:
     expanded = parse_overrides(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
     check_hydra_keys(expanded)
     job_overrides = sweep_jobs(expanded)
-    in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
-    return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
+    # Hydra records the option each config group took (hydra.runtime.choices): the launcher's by its name.
+    in_process = not multirun or base.hydra.runtime.choices.get("hydra/launcher") == IN_PROCESS_LAUNCHER
+    return _CommandLine(base, multirun, job_overrides, elsewhere, in_process, launcher_target)
 
 
 def _compose_base(parsed) -> object:
