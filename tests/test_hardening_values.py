@@ -25,6 +25,7 @@ import pytest
 
 from harness.analysis import cli as analytic_cli
 from harness.analysis.results import load
+from harness.store.columns import SCHEMA_VERSION
 from tests.conftest import refused_by_runner
 from tests.hardening_helpers import TINY, plant_row, planned
 
@@ -202,6 +203,11 @@ SHOWN = {  # case -> (arguments, the key, what the line says)
     "a strategy's option": (["--cfg", "job", "strategy=streaming", "strategy.format=int2"], "strategy.format",
                             "unknown value 'int2'"),
     "two modes": (["--cfg", "job", "-m", "ctx=8"], "command line", "Only one of"),
+    "--cfg of an unknown kind": (["--cfg", "foo"], "command line", "--cfg takes one of job, hydra, all, got 'foo'"),
+    "--cfg without its kind": (["--cfg"], "command line", "--cfg takes one of job, hydra, all, got none"),
+    "-c without its kind": (["-c"], "command line", "-c takes one of job, hydra, all, got none"),
+    "--info of an unknown kind": (["--info", "everything"], "command line", "--info takes one of all, config"),
+    "--hydra-help with an override": (["--hydra-help"], "command line", "--hydra-help prints Hydra's own help"),
 }
 
 
@@ -233,6 +239,12 @@ def test_cfg_job_prints_the_config_wherever_it_stands(tmp_path, args):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("args", [["--info", "model=tiny"], ["model=tiny", "-i"]], ids=["before", "after"])
+def test_info_without_its_kind_prints_all_of_it_beside_an_override(tmp_path, args):
+    printed = shown(*args, f"results_dir={tmp_path / 'results'}")
+    assert "Defaults List" in printed and "model: tiny" in printed, printed[-2000:]
+
+
 def test_help_prints_help():
     printed = shown("--help")
     assert "== Config ==" in printed and "Powered by Hydra" in printed, printed[:500]
@@ -240,9 +252,9 @@ def test_help_prints_help():
 
 # --- A row from a schema this harness does not know ---------------------------------------------------
 
-@pytest.mark.parametrize("version, says", [(99, "schema_version 99 is newer than this harness reads (1)"),
+@pytest.mark.parametrize("version, says", [(99, f"schema_version 99 is newer than this harness reads ({SCHEMA_VERSION})"),
                                            (2**62, f"schema_version {2**62} is newer"),
-                                           (1.5, "schema_version 1.5 is no version a harness writes"),
+                                           (1.5, "column schema_version does not read as int64"),
                                            (-1, "schema_version -1 is no version a harness writes")])
 def test_a_row_of_an_unknown_schema_version_is_refused_by_name(tmp_path, version, says):
     results = tmp_path / "results"

@@ -103,12 +103,12 @@ def test_a_multirun_launches_one_job_per_group_then_each_slow_window_again(tmp_p
     specs = [GroupSpec.decode(job[-1].split("=", 1)[1]) for job in jobs]
     assert [spec.group_id for spec in specs] == [*groups, groups[0]]  # every group once, then the slow one again
     assert [spec.again for spec in specs[:-1]] == [None] * 3 and set(specs[-1].again) == {
-        job.point.key for job in the_plan.groups[0].jobs}
+        member.point.key for member in the_plan.groups[0].members}
     assert [len(batch) for _, batch in launcher.batches] == [max_batch_size] * (3 // max_batch_size) + \
         [1] * (3 % max_batch_size) + [1]  # `max_batch_size` groups at a time, then the window alone
     assert [first for first, _ in launcher.batches] == [sum(len(b) for _, b in launcher.batches[:i])
                                                          for i in range(len(launcher.batches))]
-    first_member = the_plan.groups[0].jobs[0].overrides
+    first_member = the_plan.groups[0].members[0].overrides
     assert jobs[0][:-1] == [o for o in first_member if not launch.is_hydra_override(o)]  # the first member's
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()  # the sweep's config, as Hydra's sweepers keep it
 

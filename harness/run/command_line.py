@@ -27,6 +27,12 @@ PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c"
                       "--shell-completion", "-sc", "--resolve", "--package", "-p")
 VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through flags followed by their value
 OWN_ARGUMENT_FLAGS = ("--version", "--shell-completion", "-sc")  # what follows them is no override of the config
+# The values Hydra's --cfg and --info take (--info alone: all); checked here, where Hydra's parser answers
+# a wrong one, or an override it took for the value, with its usage.
+FLAG_CHOICES = {"--cfg": ("job", "hydra", "all"), "--info": ("all", "config", "defaults", "defaults-tree", "plugins",
+                                                             "searchpath")}
+FLAG_CHOICES.update({"-c": FLAG_CHOICES["--cfg"], "-i": FLAG_CHOICES["--info"]})
+VALUE_OPTIONAL = {"--info": "all", "-i": "all"}  # flags whose value may be left out, and Hydra's default for it
 # Hydra keys a command line may set: none of them moves the working directory or the output.
 HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
 LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
@@ -47,6 +53,26 @@ def check_flags(argv: list[str]) -> None:
                                               "extra configs: hydra.searchpath=[file:///abs/folder]")
 
 
+def check_flag_values(argv: list[str]) -> None:
+    """--cfg and --info given a value Hydra takes, and --hydra-help (Hydra's own help, which no
+    override changes) none: ConfigError in one line otherwise."""
+    flags, overrides = split_flags(argv)
+    for at, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if name not in FLAG_CHOICES:
+            continue
+        following = flags[at + 1] if at + 1 < len(flags) and not flags[at + 1].startswith("-") else None
+        value = value or following
+        if value is None and name in VALUE_OPTIONAL:
+            continue
+        if value not in FLAG_CHOICES[name]:
+            given = f"got {value!r}" if value is not None else "got none"
+            raise ConfigError("command line", f"{name} takes one of {', '.join(FLAG_CHOICES[name])}, {given}")
+    if "--hydra-help" in flags and overrides:
+        raise ConfigError("command line", "--hydra-help prints Hydra's own help, which no override changes: drop "
+                                          f"{overrides[0]!r} and the others, or use --help for this program's")
+
+
 def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     """A command line's flags (each followed by its value where it takes one: `--cfg job`) and its
     overrides, each kept in its order."""
@@ -65,7 +91,12 @@ def hydra_order(argv: list[str]) -> list[str]:
     each kept in its order. `model=tiny -m batch=1,2` or `model=tiny --cfg job ctx=8` is planned as
     written; Hydra's parser would stop at the flag and print its usage."""
     flags, overrides = split_flags(argv)
-    return flags + overrides
+    given = []  # a flag whose value may be left out gets Hydra's default, so no override is taken for it
+    for at, flag in enumerate(flags):
+        given.append(flag)
+        if flag in VALUE_OPTIONAL and (at + 1 == len(flags) or flags[at + 1].startswith("-")):
+            given.append(VALUE_OPTIONAL[flag])
+    return given + overrides
 
 
 def parse_overrides(parser: OverridesParser, overrides: list[str]):
@@ -98,10 +129,11 @@ def check_hydra_keys(parsed) -> None:
                                f"{LAUNCHER_OPTIONS}*, one value each")
 
 
-def check_job_options(job: list[str]) -> None:
-    """A glob() sweep over a config group also matches its schema (model_schema), which Hydra would
-    then run as a preset with every field missing."""
-    for override in job:
+def check_point_options(overrides: list[str]) -> None:
+    """A point's overrides: not the runner's own `+group=`, and no schema picked as a preset (a glob() sweep
+    over a config group also matches its schema, model_schema, which Hydra would then run as a preset with
+    every field missing)."""
+    for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key == GROUP_KEY:
             raise ConfigError(GROUP_KEY, "is how the runner tells a job its group (harness.run.grouping), not a setting")

@@ -15,18 +15,18 @@ from __future__ import annotations
 from harness.config import ConfigError
 
 
-def check_accuracy_selection(jobs: list) -> None:
+def check_accuracy_selection(planned: list) -> None:
     """The accuracy pass scores an approximate point whose batch is accuracy.at_batch (or any, when
     null) and whose ctx is at most accuracy.max_ctx (or any); harness.run.resolve keys a scored point
     without them. ConfigError when they are set and select no approximate point of the run (a run of
     exact strategies alone runs no pass, and these keys mean nothing to it either way)."""
-    approximate = [job for job in jobs if not job.point.strategy.exact]
-    if not approximate or any(job.point.accuracy.at_batch is None and job.point.accuracy.max_ctx is None
-                              for job in approximate):
+    approximate = [one for one in planned if not one.point.strategy.exact]
+    if not approximate or any(one.point.accuracy.at_batch is None and one.point.accuracy.max_ctx is None
+                              for one in approximate):
         return
     accuracy = approximate[0].config.accuracy
-    batches = sorted({job.point.batch for job in approximate})
-    contexts = sorted({job.point.ctx for job in approximate if accuracy.at_batch in (None, job.point.batch)})
+    batches = sorted({one.point.batch for one in approximate})
+    contexts = sorted({one.point.ctx for one in approximate if accuracy.at_batch in (None, one.point.batch)})
     if accuracy.at_batch is not None and accuracy.at_batch not in batches:
         raise ConfigError("accuracy.at_batch", f"{accuracy.at_batch} is no batch of this run's approximate points "
                                                f"({_listed(batches)}), so no point would be scored; allowed: "

@@ -64,7 +64,7 @@ class GroupJobs:
 
     @classmethod
     def of(cls, the_plan, context: RunContext) -> "GroupJobs":
-        context.planned = {job.point.key: job for group in the_plan.groups for job in group.jobs}
+        context.planned = {member.point.key: member for group in the_plan.groups for member in group.members}
         return cls(context, list(the_plan.groups), the_plan.in_process)
 
     def __call__(self, cfg) -> MeasuredGroup | None:
@@ -79,19 +79,19 @@ class GroupJobs:
     def _group_job(self, spec: GroupSpec) -> MeasuredGroup | None:
         context = self.context
         context.progress.done = max(context.progress.done, spec.first)
-        jobs = [context.planned.get(key) for key, _ in spec.members]
-        if None in jobs:  # a job of another process: its members planned again here
-            jobs = plan_group(spec, cuda_available)
+        members = [context.planned.get(key) for key, _ in spec.members]
+        if None in members:  # a job of another process: its members planned again here
+            members = plan_group(spec, cuda_available)
         if spec.again is not None:
-            return measure_timed(context, spec.group_id, jobs, set(spec.again), write=False)
-        return measure_planned_group(context, PlannedGroup(spec.group_id, jobs))
+            return measure_timed(context, spec.group_id, members, set(spec.again), write=False)
+        return measure_planned_group(context, PlannedGroup(spec.group_id, members))
 
     def specs(self) -> list[GroupSpec]:
         """Each group of the plan as a job's spec, counting the points handled before it."""
         specs, first = [], 0
         for group in self.groups:
             specs.append(GroupSpec.of(group, first))
-            first += len(group.jobs)
+            first += len(group.members)
         return specs
 
     def launched_by(self, parallelism: int) -> "GroupJobs":
@@ -108,5 +108,5 @@ def run_jobs(the_plan, context: RunContext) -> None:
     sweep's config (where the sweeper and the launcher come from) or the single point's, in the mode the
     plan chose (--run beside a preset's hydra.mode=MULTIRUN runs one point, as planned)."""
     mode = "-m" if the_plan.multirun else "hydra.mode=RUN"
-    sys.argv[1:] = [mode, *the_plan.jobs[0].overrides] if the_plan.multirun else [*the_plan.jobs[0].overrides, mode]
+    sys.argv[1:] = [mode, *the_plan.planned[0].overrides] if the_plan.multirun else [*the_plan.planned[0].overrides, mode]
     hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")(GroupJobs.of(the_plan, context))()
