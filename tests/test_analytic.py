@@ -90,7 +90,7 @@ def test_hand_shape_step_bytes_and_prefill_bytes():
     weights = (236 - 40 + 2 * 4) * 4
     step = analytic.decode_step_bytes(HAND, "float32", batch=2, context=5)
     assert step == {"weights": weights, "cache_read": 2 * 5 * 16, "cache_write": 2 * 16, "cache_copy": 0,
-                    "total": weights + 160 + 32}
+                    "cache_bookkeeping": 0, "total": weights + 160 + 32}
     assert analytic.decode_step_bytes(HAND, "float32", 2, 5, layout=None)["total"] == weights
     prefill = analytic.prefill_bytes(HAND, "float32", batch=2, prompt=5)
     assert prefill["total"] == (236 - 40 + 10 * 4) * 4 + 10 * 16

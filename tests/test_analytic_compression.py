@@ -69,9 +69,23 @@ def test_a_token_budget_caps_the_cache_held_read_and_attended():
         context_to_match_weights(SMOLLM2, FP32, 64))  # 182 tokens: below the budget, so the budget never binds
 
 
+def test_an_evicting_caches_bookkeeping_is_held_read_and_written_per_kept_token():
+    """Each kept token's position and score (slot_bytes) are held and read by every step, the step's
+    weights written over them where the policy takes them (slot_write_bytes): per layer and KV head."""
+    plain = CacheLayout(token_budget=256)
+    scored = dataclasses.replace(plain, slot_bytes=8, slot_write_bytes=4)
+    per_token = SMOLLM2.n_layers * SMOLLM2.n_kv_heads
+    assert analytic.kv_cache_bytes(SMOLLM2, FP32, 4, 1024, scored) == 4 * 256 * (PER_TOKEN + 8 * per_token)
+    step, before = (analytic.decode_step_bytes(SMOLLM2, FP32, 4, 4096, layout) for layout in (scored, plain))
+    assert step["cache_bookkeeping"] == 4 * 257 * (8 + 4) * per_token  # the budget and the step's own token
+    assert step["total"] - before["total"] == step["cache_bookkeeping"] and before["cache_bookkeeping"] == 0
+    assert analytic.decode_step_bytes(SMOLLM2, FP32, 4, 100, scored)["cache_bookkeeping"] == 4 * 101 * 12 * per_token
+
+
 @pytest.mark.parametrize("layout", [CacheLayout(token_budget=300), CacheLayout(token_budget=300, value_bits=4,
                                     scale_bytes_per_token=16.0, residual_tokens=32),
-                                    CacheLayout(token_budget=300, eviction_score="accumulated_attention")])
+                                    CacheLayout(token_budget=300, eviction_score="accumulated_attention",
+                                                slot_bytes=8, slot_write_bytes=4)])
 def test_the_mean_step_and_the_summed_time_are_exact_across_the_step_where_the_budget_fills(layout):
     """Closed forms split where a budget fills (growing, then flat): they equal the step-by-step sums."""
     ctx, steps, batch = 260, 90, 4

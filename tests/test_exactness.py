@@ -56,12 +56,17 @@ def test_strategy_generates_the_no_cache_tokens(reference, name, backend):
 EVICTION_VARIANTS = ["streaming", "h2o", "snapkv", "tova"]
 
 
+@pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("variant", EVICTION_VARIANTS)
-def test_eviction_at_a_budget_holding_everything_is_exact(reference, variant):
+def test_eviction_at_a_budget_holding_everything_is_exact(reference, variant, backend):
     from tests.test_eviction import variant as eviction_variant
 
     model, prompt, new_tokens, expected = reference
-    strategy = eviction_variant(variant, budget=prompt.shape[1] + new_tokens + 32)
+    strategy = eviction_variant(variant, backend=backend, budget=prompt.shape[1] + new_tokens + 32)
+    try:
+        strategy.kernel(model.device, model.dtype, model.cfg)
+    except StrategyUnavailable as unavailable:
+        pytest.skip(f"eviction ({backend}) cannot run here: {unavailable}")
     assert torch.equal(generate(strategy, model, prompt, new_tokens), expected)
 
 

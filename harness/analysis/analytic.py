@@ -89,7 +89,8 @@ def decode_step_bytes(shape: Shape, dtype: str, batch: int, context: int, layout
 
     With a cache, the step at `context` cached tokens reads the weights and the cache (its filled
     prefix, or all `max_len` positions for a layout that reads them), writes one new K/V entry per
-    sequence, and, for a cache grown by concatenation, copies the whole cache. Without a cache
+    sequence, for a cache grown by concatenation copies the whole cache, and for an evicting cache
+    reads each kept token's position and score and writes the step's weights into the scores. Without a cache
     (layout None) it re-reads the weights once (the prefix is recomputed in one pass) and moves no
     cache. Activations are not counted in either case.
     """
@@ -99,6 +100,7 @@ def decode_step_bytes(shape: Shape, dtype: str, batch: int, context: int, layout
         "cache_read": cache_terms.read_bytes(shape, dtype, batch, context, max_len or context + 1, layout),
         "cache_write": cache_terms.write_bytes(shape, dtype, batch, layout),
         "cache_copy": cache_terms.copy_bytes(shape, dtype, batch, context, layout),
+        "cache_bookkeeping": cache_terms.bookkeeping_bytes(shape, batch, context, max_len or context + 1, layout),
     }
     return {**parts, "total": sum(parts.values())}
 

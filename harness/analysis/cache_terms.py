@@ -116,12 +116,20 @@ def allocated_tokens(layout: CacheLayout, tokens: int) -> int:
     return blocks * layout.block_size
 
 
+def slot_bytes_per_token(shape: Shape, layout: CacheLayout) -> int:
+    """An evicting cache's bookkeeping per kept token, over its layers and KV heads: each token's
+    position and score (layout.slot_bytes), beside its K/V."""
+    return stored_layers(shape, layout) * shape.n_kv_heads * layout.slot_bytes
+
+
 def cache_bytes(shape: Shape, dtype: str, batch: int, tokens: int, layout: Optional[CacheLayout]) -> float:
-    """Bytes a cache of `batch` sequences of `tokens` tokens holds: allocated slots at the stored width,
-    plus the residual buffer at full width (allocated whole, whatever its fill)."""
+    """Bytes a cache of `batch` sequences of `tokens` tokens holds: allocated slots at the stored width
+    and their bookkeeping (eviction), plus the residual buffer at full width (allocated whole, whatever
+    its fill)."""
     if layout is None:
         return 0
-    stored = batch * allocated_tokens(layout, kept_tokens(layout, tokens)) * stored_bytes_per_token(shape, dtype, layout)
+    per_token = stored_bytes_per_token(shape, dtype, layout) + slot_bytes_per_token(shape, layout)
+    stored = batch * allocated_tokens(layout, kept_tokens(layout, tokens)) * per_token
     window = batch * layout.residual_tokens * full_width_bytes_per_token(shape, dtype, layout)
     return stored + window
 
@@ -136,6 +144,17 @@ def read_bytes(shape: Shape, dtype: str, batch: int, context: int, max_len: int,
     window = window_tokens(layout, tokens)
     stored = (tokens - window) * stored_bytes_per_token(shape, dtype, layout)
     return batch * (stored + window * full_width_bytes_per_token(shape, dtype, layout))
+
+
+def bookkeeping_bytes(shape: Shape, batch: int, context: int, max_len: int, layout: Optional[CacheLayout]) -> float:
+    """Bytes an evicting cache's policy moves at a step over `context` cached tokens beyond the K/V: the
+    position and score of every token the query is scored against (its kept context and itself) read
+    to choose the slot to free, and the step's weights written into the scores where the policy scores
+    by them. The logits the kernel keeps for those weights stay in the core's cache: not counted."""
+    if layout is None or not (layout.slot_bytes or layout.slot_write_bytes):
+        return 0
+    per_token = stored_layers(shape, layout) * shape.n_kv_heads * (layout.slot_bytes + layout.slot_write_bytes)
+    return batch * attended_keys(context, max_len, layout) * per_token
 
 
 def write_bytes(shape: Shape, dtype: str, batch: int, layout: Optional[CacheLayout]) -> float:

@@ -37,6 +37,12 @@ class CacheLayout:
     layers_stored: int = field(default=0, metadata=OPTIONAL_IN_KEY)
     # Key channels stored per KV head (ThinK's pruning; values keep every channel); 0: head_dim.
     key_channels_kept: int = field(default=0, metadata=OPTIONAL_IN_KEY)
+    # Bytes an evicting cache keeps per kept token, KV head and layer beyond its K/V (the token's position
+    # and the policy's score), all read by each decode step to choose the slot to free; 0: none.
+    slot_bytes: int = field(default=0, metadata=OPTIONAL_IN_KEY)
+    # Bytes each decode step writes per kept token, KV head and layer into those (the step's attention
+    # weights into the score, where the policy scores by them: h2o adds them, tova replaces them); 0: none.
+    slot_write_bytes: int = field(default=0, metadata=OPTIONAL_IN_KEY)
 
 
 CONTIGUOUS = CacheLayout()

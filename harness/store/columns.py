@@ -42,6 +42,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("cache_eviction_score", S, "", "how kept tokens are chosen: empty for none, recency (sinks + recent window), accumulated_attention, observation_window (once at the end of prefill) or current_attention", "point"),
     ("cache_layers_stored", I, "layers", "layers that store their own K/V (cross-layer sharing); 0: every layer", "point"),
     ("cache_key_channels_kept", I, "channels", "key channels stored per KV head (key-channel pruning); 0: head_dim", "point"),
+    ("cache_slot_bytes", I, "B", "bytes an evicting cache keeps per kept token, KV head and layer beyond its K/V (position, score), read every step; 0: none", "point"),
+    ("cache_slot_write_bytes", I, "B", "bytes a decode step writes per kept token, KV head and layer into those (the policy's step weights); 0: none", "point"),
     ("model", S, "", "model preset name (conf/model/), or with a checkpoint its folder's (GGUF file's) name unless model.name named another", "point"),
     ("vocab_size", I, "tokens", "vocabulary size", "point"),
     ("d_model", I, "", "residual width", "point"),

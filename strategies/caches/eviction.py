@@ -40,20 +40,29 @@ length inside the prompt.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.config import CacheLayout, ModelConfig
+from strategies.caches import compacted_kernel
 from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.caches.attention import grouped_attention
-from strategies.backends import Backend
+from strategies.backends import Backend, choose
 from strategies.base import CachedSession, DecodeSession, Strategy, StrategyOptionError
 from strategies.caches.eviction_policies import EvictionPolicy, StepWeights, StreamingPolicy, policy_of
 from strategies.caches.eviction_store import FullWidthSlots, QuantizedSlots
 from strategies.caches.quantization import FORMATS, QuantSpec
 
 WEIGHTED_KERNEL = "torch matmul + softmax (weights kept for the policy's scores)"
-BACKENDS = (Backend("torch", f"{{policy}} eviction over the kept slots: {SDPA_KERNEL} or {WEIGHTED_KERNEL}"),)
+# Decode steps (strategy.backend; `auto` takes the first that can run, strategies.backends): the
+# compacted-slot kernel (CPU, fp32: its write, attention, score update and freed slot in one call),
+# or torch's operations, any device. The prompt runs in torch either way. `kernel` names the rows'.
+BACKENDS = (Backend("c", f"{compacted_kernel.COMPACTED_KERNEL.name} for decode steps",
+                    compiled=compacted_kernel.COMPACTED_KERNEL),
+            Backend("torch", f"{{policy}} eviction over the kept slots: {SDPA_KERNEL} or {WEIGHTED_KERNEL}"))
 POSITIONS = ("original", "in_cache")
+POSITION_DTYPE, SCORE_DTYPE = torch.int32, torch.float32  # each slot's token position and the policy's score
 PREFILL_CHUNK_ELEMENTS = 1 << 24  # attention weights one chunk of prompt rows holds at most (64 MiB in fp32)
 
 
@@ -85,36 +94,42 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weighte
 
 class EvictionLayerCache:
     def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, device, dtype, policy: EvictionPolicy,
-                 spec: QuantSpec | None, in_cache_positions: bool):
+                 spec: QuantSpec | None, in_cache_positions: bool, kernel: bool = False):
         self.policy, self.max_len = policy, max_len
         self.slots = min(policy.budget + 1, max_len)  # the kept tokens and the step's own
         shape = (batch, n_kv, self.slots)
         self.store = (QuantizedSlots(*shape, head_dim, device, dtype, spec) if spec is not None
                       else FullWidthSlots(*shape, head_dim, device, dtype))
-        self.positions = torch.full(shape, -1, device=device, dtype=torch.int32)  # [B, n_kv, S] original positions
-        self.scores = torch.zeros(shape, device=device, dtype=torch.float32)  # [B, n_kv, S] the policy's table
+        self.positions = torch.full(shape, -1, device=device, dtype=POSITION_DTYPE)  # [B, n_kv, S] original positions
+        self.scores = torch.zeros(shape, device=device, dtype=SCORE_DTYPE)  # [B, n_kv, S] the policy's table
         self.free = torch.zeros(batch, n_kv, device=device, dtype=torch.int64)  # [B, n_kv] the slot written next once full
+        self.fill = torch.zeros(batch, n_kv, device=device, dtype=torch.int32)  # [B, n_kv] slots in use, per pair
         # streaming with in-cache positions: the sinks' keys as first computed [B, n_kv, sinks, D]
         self.sink_keys = (torch.zeros(batch, n_kv, policy.protected_first, head_dim, device=device, dtype=dtype)
                           if in_cache_positions else None)
         self.rope = None  # the session's RotaryTable (set by EvictionSession)
-        self.filled = 0  # slots in use (the kept tokens, and the step's own during a step)
+        self.filled = 0  # slots in use (the kept tokens, and the step's own during a step): every pair's fill
+        self.kernel = kernel  # decode steps through the compacted-slot kernel (BACKENDS), else torch's operations
 
     @property
     def nbytes(self) -> int:
         extra = self.sink_keys.nbytes if self.sink_keys is not None else 0
-        return self.store.nbytes + self.positions.nbytes + self.scores.nbytes + self.free.nbytes + extra
+        return self.store.nbytes + self.positions.nbytes + self.scores.nbytes + self.free.nbytes + self.fill.nbytes + extra
 
     def reset(self) -> None:
-        self.filled = 0
+        self._filled(0)
         self.positions.fill_(-1)
         self.scores.zero_()
 
+    def _filled(self, count: int) -> None:
+        self.filled = count
+        self.fill.fill_(count)
+
     @property
     def _state(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor a step reads or writes: the slots, positions, scores, next free slot, sinks' keys."""
+        """Every tensor a step reads or writes: the slots, positions, scores, next free slot, fill, sinks' keys."""
         sinks = (self.sink_keys,) if self.sink_keys is not None else ()
-        return (*self.store.tables, self.positions, self.scores, self.free, *sinks)
+        return (*self.store.tables, self.positions, self.scores, self.free, self.fill, *sinks)
 
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         return self.filled, [table.clone() for table in self._state]
@@ -126,6 +141,8 @@ class EvictionLayerCache:
             table.copy_(copy)
 
     def attend(self, q, k, v, start_pos):
+        if q.shape[1] == 1 and self.kernel:
+            return self._kernel_step(q, k[:, 0], v[:, 0], start_pos)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, n_kv, T, D]
         if q.shape[1] > 1:
             return self._prefill(q, k, v, start_pos)
@@ -144,7 +161,7 @@ class EvictionLayerCache:
             kept = policy.select(scores, length)  # [B, n_kv, budget]
             rows = kept[..., None].expand(-1, -1, -1, k.shape[-1])
             k, v = k.gather(2, rows), v.gather(2, rows)
-        self.filled = kept.shape[-1]
+        self._filled(kept.shape[-1])
         self.store.write(k, v, 0)
         self.positions[..., :self.filled] = kept
         self.scores[..., :self.filled] = scores.gather(-1, kept)
@@ -160,7 +177,7 @@ class EvictionLayerCache:
             self.store.write(k, v, self.filled)
             self.positions[..., self.filled] = position
             self.scores[..., self.filled] = entry
-            self.filled += 1
+            self._filled(self.filled + 1)
         else:
             self.store.scatter(k, v, self.free)
             self.positions.scatter_(2, self.free[..., None], position)
@@ -188,6 +205,17 @@ class EvictionLayerCache:
             self.free = policy.victims(self.positions[..., :filled], self.scores[..., :filled], position)
         return out
 
+    def _kernel_step(self, q, k, v, position: int):
+        """q [B, 1, H, D], k and v [B, n_kv, D]: _step in one call of the compacted-slot kernel (its write,
+        sinks, attention, score update and freed slot; strategies.caches.compacted_kernel)."""
+        batch, _, n_heads, head_dim = q.shape
+        sinks = (self.sink_keys, self.rope.cos, self.rope.sin) if self.sink_keys is not None else (None, None, None)
+        grouped = q.reshape(batch, k.shape[1], n_heads // k.shape[1], head_dim)  # [B, n_kv, G, D]
+        out = compacted_kernel.evicting_step(grouped, k, v, self.store, self.fill, self.positions, self.scores,
+                                             self.free, position, self.policy, self.max_len, *sinks)
+        self.filled = min(self.filled + 1, self.slots)
+        return out.view(batch, 1, n_heads, head_dim)
+
     def _rotate_sinks(self, keys: torch.Tensor, evicted: int) -> None:
         """Write into keys [B, n_kv, filled, D] (slots 0.. hold the sinks) the sinks' keys rotated forward
         by `evicted` positions: the cache's ranks (module docstring)."""
@@ -213,7 +241,7 @@ class EvictionLayerCache:
         self.store.fill_random(kept, generator)
         if self.sink_keys is not None:
             self.sink_keys[:, :, :sinks] = self.store.read(sinks)[0]
-        self.filled = kept
+        self._filled(kept)
 
 
 class EvictionSession(CachedSession):
@@ -302,21 +330,31 @@ class EvictionStrategy(Strategy):
                 "positions": self.positions, "format": self.format, "group_size": self.group_size}
 
     def kernel(self, device, dtype, shape=None) -> str:
-        super().kernel(device, dtype, shape)  # raises where it cannot run
-        kind = WEIGHTED_KERNEL if self.policy.step_weights != StepWeights.IGNORE else SDPA_KERNEL
+        backend = choose(self, device, dtype, shape)  # raises where it cannot run
+        weighted = self.policy.step_weights != StepWeights.IGNORE
+        if backend.compiled is not None:
+            weights = ", its weights into the policy's scores in the same pass" if weighted else ""
+            stored = f", {self.format} slots read in-kernel" if self.format else ""
+            return (f"{backend.kernel}: {self.policy.name} eviction over each pair's filled slots{weights}{stored}; "
+                    f"torch for the prompt")
+        kind = WEIGHTED_KERNEL if weighted else SDPA_KERNEL
         stored = f", {self.format} slots dequantized per step" if self.format else ""
         return f"{self.policy.name} eviction, {kind} over the kept slots{stored}"
 
     def cache_layout(self, shape: ModelConfig | None = None) -> CacheLayout:
+        weighted = self.policy.step_weights != StepWeights.IGNORE
+        policy = CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score,
+                             slot_bytes=POSITION_DTYPE.itemsize + SCORE_DTYPE.itemsize,
+                             slot_write_bytes=SCORE_DTYPE.itemsize if weighted else 0)
         if self.spec is None:
-            return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score)
+            return policy
         if shape is None and self.format == "int4":
             raise ValueError("eviction: int4 slots' scale bytes depend on head_dim; pass the model shape")
         if shape is not None:
             self._check_shape(shape)
         head_dim = shape.resolved_head_dim if shape is not None else 1
-        return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score,
-                           value_bits=self.spec.value_bits, scale_bytes_per_token=self.spec.scale_bytes_per_token(head_dim))
+        return dataclasses.replace(policy, value_bits=self.spec.value_bits,
+                                   scale_bytes_per_token=self.spec.scale_bytes_per_token(head_dim))
 
     def _check_shape(self, shape: ModelConfig) -> None:
         if self.format == "int4" and shape.resolved_head_dim % self.group_size:
@@ -330,7 +368,8 @@ class EvictionStrategy(Strategy):
     def new_session(self, model, batch: int, max_len: int) -> EvictionSession:
         c = model.cfg
         self._check_shape(c)
+        kernel = self.session_backend(model).name == "c"
         caches = [EvictionLayerCache(batch, c.n_kv_heads, max_len, c.resolved_head_dim, model.device, model.dtype,
-                                     self.policy, self.spec, self.positions == "in_cache")
+                                     self.policy, self.spec, self.positions == "in_cache", kernel)
                   for _ in range(c.n_layers)]
         return EvictionSession(model, caches, max_len)

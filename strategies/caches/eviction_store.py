@@ -22,6 +22,8 @@ def _scatter_rows(table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) 
 class FullWidthSlots:
     """K and V [B, n_kv, S, D] in the compute dtype; a read is a view of the filled slots."""
 
+    format, span = "", 0  # no per-token format (the compacted-slot kernel's fp32 slots)
+
     def __init__(self, batch: int, n_kv: int, slots: int, head_dim: int, device, dtype):
         # zeros, not empty: resident from the start, as contiguous's tables are
         self.k = torch.zeros(batch, n_kv, slots, head_dim, device=device, dtype=dtype)  # [B, n_kv, S, D]
@@ -35,6 +37,11 @@ class FullWidthSlots:
     def tables(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the slots hold (a snapshot copies them)."""
         return self.k, self.v
+
+    @property
+    def kernel_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The key and value tables as the compacted-slot kernel takes them (strategies.caches.compacted_kernel)."""
+        return [self.k], [self.v]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """k, v [B, n_kv, T, D] into slots start .. start + T."""
@@ -61,6 +68,7 @@ class QuantizedSlots:
 
     def __init__(self, batch: int, n_kv: int, slots: int, head_dim: int, device, dtype, spec: QuantSpec):
         self.spec, self.dtype, self.head_dim = spec, dtype, head_dim
+        self.format, self.span = spec.format, spec.span(head_dim)  # as the compacted-slot kernel reads them
         width, groups = quantization.payload_width(spec.format, head_dim), head_dim // spec.span(head_dim)
         storage = quantization.STORAGE_DTYPE[spec.format]
         self.payloads = [torch.zeros(batch, n_kv, slots, width, device=device, dtype=storage)
@@ -76,6 +84,11 @@ class QuantizedSlots:
     def tables(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the slots hold (a snapshot copies them)."""
         return (*self.payloads, *self.scales)
+
+    @property
+    def kernel_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """[payload, scales] of K and of V, as the compacted-slot kernel takes them."""
+        return [self.payloads[0], self.scales[0]], [self.payloads[1], self.scales[1]]
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantization.quantize_per_token(x, self.spec.format, self.spec.span(x.shape[-1]))

@@ -17,6 +17,9 @@
  * - A row is found through kv_rows: a contiguous table, or a paged pool and its block table, resolved
  *   once per run of consecutive keys (one division, then a cursor).
  * `visible` masks keys visible..length-1 (weight exactly 0) while still reading them: static_full.
+ * Keys narrower than the values (pruned to their kept channels, cpu_pruned_attention.c) take this path
+ * too: a key row is read at the values' width, into the rows after it, against a query whose lanes past
+ * the key's width are 0, so the table's bytes are read once, in order, and the extra lanes add 0.
  */
 #ifndef CPU_ATTENTION_FIXED_H
 #define CPU_ATTENTION_FIXED_H
@@ -50,10 +53,12 @@ static inline void block_rows(const kv_rows *rows, int64_t index, int64_t interl
 /* One (sequence, KV head) with head dimension LANES * lines: out[g] = softmax(scale * q[g] . K^T) V.
  * With `part_max` and `part_sum` (NULL where it is inlined without them), each query row's running max
  * and sum of weights are stored too: what it takes to merge outputs over parts of one table
- * (cpu_decode_attention.c). */
+ * (cpu_decode_attention.c), or to turn logits into weights. With `logits` (NULL: none), each key's
+ * scaled score for query row g is stored at logits[g * logit_row + key]: the weights a policy scores
+ * by, without a second read of the keys (cpu_compacted_attention.c). */
 static inline __attribute__((always_inline)) void attend_fixed(
         const float *q, const kv_rows *rows, float *out, int64_t group, int64_t length, int64_t visible, float scale,
-        const int lines, float *part_max, float *part_sum) {
+        const int lines, float *part_max, float *part_sum, float *logits, int64_t logit_row) {
     const int64_t dim = LANES * lines;
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK];
     vec acc[MAX_GROUP][MAX_DIM / LANES];
@@ -107,6 +112,8 @@ static inline __attribute__((always_inline)) void attend_fixed(
             if (masked)
                 for (int64_t i = 0; i < n; i++)
                     if (keys[i] >= visible) p[g][i] = MASKED;
+            if (logits != NULL)
+                for (int64_t i = 0; i < n; i++) logits[g * logit_row + keys[i]] = p[g][i];
         }
         for (int64_t g = 0; g < group; g++) {
             float correction = online_softmax(p[g], n, &running_max[g], &running_sum[g], masked ? weight_mask : NULL);

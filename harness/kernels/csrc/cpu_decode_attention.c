@@ -53,12 +53,19 @@ static int64_t parts_of(int64_t pairs, int64_t length, int64_t visible, int64_t 
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
 }
 
-/* q, out: [B, n_kv, G, D] contiguous. k, v: [B, n_kv, S, D] cache tables with element strides
- * k_strides/v_strides (3 each; the last dimension contiguous); keys 0..length-1 are read and keys
- * visible..length-1 are masked (visible = length: none). */
-void decode_attention(const float *q, const float *k, const int64_t *k_strides, const float *v,
-                      const int64_t *v_strides, float *out, int64_t batch, int64_t n_kv, int64_t group,
-                      int64_t length, int64_t visible, int64_t dim, float scale, int threads) {
+/* The keys pair `pair` attends over: its fill with taps that give one, else the call's length. */
+static inline int64_t pair_length(const pair_taps *taps, int64_t pair, int64_t length) {
+    return taps != NULL && taps->fill != NULL ? taps->fill[pair] : length;
+}
+
+/* decode_attention's body, with taps (a constant NULL where the plain kernel inlines it: the taps'
+ * code is then left out). With taps every key is visible, each pair attends over its own fill (the
+ * split into parts is decided on the longest, and a part of no keys contributes nothing), and a split
+ * pair's rows are finished once its parts are merged. */
+static inline __attribute__((always_inline)) void attend_pairs(
+        const float *q, const float *k, const int64_t *k_strides, const float *v, const int64_t *v_strides,
+        float *out, int64_t batch, int64_t n_kv, int64_t group, int64_t length, int64_t visible, int64_t dim,
+        float scale, int threads, const pair_taps *taps) {
     const int64_t pairs = batch * n_kv, parts = parts_of(pairs, length, visible, dim);
     if (parts == 1) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -66,31 +73,54 @@ void decode_attention(const float *q, const float *k, const int64_t *k_strides, 
             int64_t b = task / n_kv, h = task % n_kv;
             kv_rows rows = {k + b * k_strides[0] + h * k_strides[1], v + b * v_strides[0] + h * v_strides[1],
                             k_strides[2], v_strides[2], NULL, 0, 0, 0};
-            attend_pair(q + task * group * dim, &rows, out + task * group * dim, group, length, visible, dim, scale);
+            if (taps == NULL) {
+                attend_pair(q + task * group * dim, &rows, out + task * group * dim, group, length, visible, dim,
+                            scale);
+                continue;
+            }
+            float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+            attend_pair_scored(q + task * group * dim, &rows, out + task * group * dim, group,
+                               pair_length(taps, task, length), dim, taps->key_dim,
+                               taps->channels ? taps->channels + task * taps->key_dim : NULL, scale,
+                               taps->logits ? taps->logits + task * group * taps->logit_row : NULL, taps->logit_row,
+                               row_max, row_sum);
+            if (taps->finish != NULL) taps->finish(taps, task, row_max, row_sum);
         }
         return;
     }
     /* Task (pair, part): its part's normalized output rows and their running max and sum of weights. */
     const int64_t tasks = pairs * parts;
-    float *partial = (float *)malloc(sizeof(float) * tasks * group * (dim + 2));
+    float *partial = (float *)malloc(sizeof(float) * (tasks * group * (dim + 2) + 2 * pairs * group));
     float *maxes = partial + tasks * group * dim, *sums = maxes + tasks * group;
+    float *row_max = sums + tasks * group, *row_sum = row_max + pairs * group; /* each row's, once merged */
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             int64_t pair = task / parts, part = task % parts, b = pair / n_kv, h = pair % n_kv;
-            int64_t first = part * length / parts, count = (part + 1) * length / parts - first;
+            int64_t keys = pair_length(taps, pair, length);
+            int64_t first = part * keys / parts, count = (part + 1) * keys / parts - first;
+            float *into = partial + task * group * dim;
+            if (count == 0) { /* a pair of fewer keys than parts: this part weighs nothing in the merge */
+                for (int64_t g = 0; g < group; g++) maxes[task * group + g] = -FLT_MAX, sums[task * group + g] = 0.0f;
+                continue;
+            }
             kv_rows rows = {k + b * k_strides[0] + h * k_strides[1] + first * k_strides[2],
                             v + b * v_strides[0] + h * v_strides[1] + first * v_strides[2],
                             k_strides[2], v_strides[2], NULL, 0, 0, 0};
             const float *query = q + pair * group * dim;
-            float *into = partial + task * group * dim;
-            if (dim == 64)
+            if (taps != NULL) {
+                attend_pair_scored(query, &rows, into, group, count, dim, taps->key_dim,
+                                   taps->channels ? taps->channels + pair * taps->key_dim : NULL, scale,
+                                   taps->logits ? taps->logits + pair * group * taps->logit_row + first : NULL,
+                                   taps->logit_row, maxes + task * group, sums + task * group);
+            } else if (dim == 64) {
                 attend_fixed(query, &rows, into, group, count, count, scale, 64 / LANES, maxes + task * group,
-                             sums + task * group);
-            else
+                             sums + task * group, NULL, 0);
+            } else {
                 attend_fixed(query, &rows, into, group, count, count, scale, 128 / LANES, maxes + task * group,
-                             sums + task * group);
+                             sums + task * group, NULL, 0);
+            }
         }
         /* Each query row: its parts' outputs weighted by their share of the softmax's total, in part order. */
 #pragma omp for schedule(static)
@@ -103,7 +133,7 @@ void decode_attention(const float *q, const float *k, const int64_t *k_strides, 
             }
             for (int64_t part = 0; part < parts; part++) {
                 int64_t at = (pair * parts + part) * group + g;
-                weight[part] = sums[at] * expf(maxes[at] - top);
+                weight[part] = sums[at] > 0.0f ? sums[at] * expf(maxes[at] - top) : 0.0f;
                 total += weight[part];
             }
             float *o = out + row * dim;
@@ -111,10 +141,33 @@ void decode_attention(const float *q, const float *k, const int64_t *k_strides, 
             for (int64_t part = 0; part < parts; part++) {
                 const float *from = partial + ((pair * parts + part) * group + g) * dim;
                 float share = weight[part] / total;
+                if (share == 0.0f) continue; /* an empty part's rows were never written */
 #pragma omp simd
                 for (int64_t d = 0; d < dim; d++) o[d] += share * from[d];
             }
+            row_max[row] = top, row_sum[row] = total;
+        }
+        if (taps != NULL && taps->finish != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < pairs; pair++)
+                taps->finish(taps, pair, row_max + pair * group, row_sum + pair * group);
         }
     }
     free(partial);
+}
+
+/* q, out: [B, n_kv, G, D] contiguous. k, v: [B, n_kv, S, D] cache tables with element strides
+ * k_strides/v_strides (3 each; the last dimension contiguous); keys 0..length-1 are read and keys
+ * visible..length-1 are masked (visible = length: none). */
+void decode_attention(const float *q, const float *k, const int64_t *k_strides, const float *v,
+                      const int64_t *v_strides, float *out, int64_t batch, int64_t n_kv, int64_t group,
+                      int64_t length, int64_t visible, int64_t dim, float scale, int threads) {
+    attend_pairs(q, k, k_strides, v, v_strides, out, batch, n_kv, group, length, visible, dim, scale, threads, NULL);
+}
+
+/* decode_attention with taps (kernels.h): `length` is the longest a pair attends over. */
+void decode_attention_tapped(const float *q, const float *k, const int64_t *k_strides, const float *v,
+                             const int64_t *v_strides, float *out, int64_t batch, int64_t n_kv, int64_t group,
+                             int64_t length, int64_t dim, float scale, int threads, const pair_taps *taps) {
+    attend_pairs(q, k, k_strides, v, v_strides, out, batch, n_kv, group, length, length, dim, scale, threads, taps);
 }

@@ -66,17 +66,27 @@ typedef struct { /* one quantized table (K or V) of one (sequence, KV head) */
 typedef struct { /* one (sequence, KV head): its quantized tables and its window */
     QuantizedRows keys, values;
     const float *k_window, *v_window; /* [R, D] fp32 rows at window_row floats apart; NULL without a window */
+    int64_t length;                   /* its quantized tokens (the call's quantized_length, or its fill) */
+    float *logits;                    /* [G, logit_row] its quantized keys' scaled scores; NULL: not kept */
+    int64_t logit_row;
+    float *row_max, *row_sum;         /* [G] its rows' softmax max and sum of weights; NULL: not kept */
 } Task;
 
 typedef struct { /* what every (sequence, KV head) of one call shares */
     int format;                                  /* FORMAT_* */
     int64_t span;                                /* channels per token-axis scale */
     int64_t key_block;                           /* tokens per channel-axis key scale; 0: keys scaled per token */
-    int64_t quantized_length, window_length;     /* tokens in the tables, then in the window */
+    int64_t window_length;                       /* tokens in the window, after each pair's quantized ones */
     int64_t window_row;                          /* floats between window rows */
     int64_t group, dim;                          /* query heads per KV head, head dimension */
     float scale;                                 /* softmax scale, 1 / sqrt(D) */
 } Call;
+
+/* The task's rows' softmax max and sum, where it keeps them. */
+static inline void keep_rows(const Task *task, const float *running_max, const float *running_sum, int64_t group) {
+    if (task->row_max == NULL) return;
+    for (int64_t g = 0; g < group; g++) task->row_max[g] = running_max[g], task->row_sum[g] = running_sum[g];
+}
 
 /* out[d] = x_hat[d] of one row, any dim and span: scales[d / span] (channel axis: span 1). */
 static void dequantize_row_generic(int format, const uint8_t *codes, const float *scales, int64_t dim,
@@ -362,9 +372,11 @@ static void values_block(int format, Rows rows, int64_t first, int64_t n, int64_
 
 /* Online softmax over one block: scores[g][j] * score_scale[j] -> p = exp(. - running max), the sums and
  * the accumulators rescaled where the max rose; then p[g][j] *= value_scale[j] (the value rows' scales).
- * Whole vectors: lanes past n (the rows' margin) are computed and left out of the max and the sum. */
+ * Whole vectors: lanes past n (the rows' margin) are computed and left out of the max and the sum. The
+ * scaled scores are also kept at logits[g * logit_row + j] where logits is given (NULL: not). */
 static void softmax_block(float scores[][SROW], int64_t n, int64_t group, int64_t dim, const float *score_scale,
-                          const float *value_scale, float *running_max, float *running_sum, float acc[][MAX_DIM]) {
+                          const float *value_scale, float *running_max, float *running_sum, float acc[][MAX_DIM],
+                          float *logits, int64_t logit_row) {
     int64_t tail = n - (n - 1) / LANES * LANES; /* valid lanes of the last vector, 1..LANES */
     for (int64_t g = 0; g < group; g++) {
         float *s = scores[g];
@@ -374,6 +386,7 @@ static void softmax_block(float scores[][SROW], int64_t n, int64_t group, int64_
             store_vec(s + j, v);
             most = max_vec(most, j + LANES <= n ? v : keep_lanes(v, tail, splat(-FLT_MAX)));
         }
+        if (logits != NULL) memcpy(logits + g * logit_row, s, sizeof(float) * n);
         float block_max = max_of_lanes(most);
         if (block_max > running_max[g]) {
             float correction = expf(running_max[g] - block_max);
@@ -418,8 +431,8 @@ static void attend_vector(const float *q, const Task *task, const Call *call, fl
     }
     Rows key_rows = {keys.payload, keys.row, keys.scales, key_block ? 0 : keys.scale_row, span};
     Rows value_rows = {values.payload, values.row, values.scales, values.scale_row, span};
-    for (int64_t start = 0; start < call->quantized_length; start += SOFTMAX_BLOCK) {
-        int64_t n = call->quantized_length - start < SOFTMAX_BLOCK ? call->quantized_length - start : SOFTMAX_BLOCK;
+    for (int64_t start = 0; start < task->length; start += SOFTMAX_BLOCK) {
+        int64_t n = task->length - start < SOFTMAX_BLOCK ? task->length - start : SOFTMAX_BLOCK;
         if (key_block) { /* runs of rows within one scale block: q scaled by its channels' scales */
             for (int64_t j = 0; j < n;) {
                 int64_t t = start + j, block = t / key_block, run = (block + 1) * key_block - t;
@@ -442,7 +455,8 @@ static void attend_vector(const float *q, const Task *task, const Call *call, fl
         }
         for (int64_t j = 0; j < n; j++)
             value_scale[j] = permuted ? 1.0f : values.scales[(start + j) * values.scale_row] * factor;
-        softmax_block(scores, n, group, dim, score_scale, value_scale, running_max, running_sum, acc);
+        softmax_block(scores, n, group, dim, score_scale, value_scale, running_max, running_sum, acc,
+                      task->logits ? task->logits + start : NULL, task->logit_row);
         values_block(format, value_rows, start, n, group, dim, scores, acc);
     }
     if (permuted) { /* the accumulators back in channel order */
@@ -458,19 +472,23 @@ static void attend_vector(const float *q, const Task *task, const Call *call, fl
     for (int64_t start = 0; start < call->window_length; start += SOFTMAX_BLOCK) {
         int64_t n = call->window_length - start < SOFTMAX_BLOCK ? call->window_length - start : SOFTMAX_BLOCK;
         scores_block(FORMAT_F32, 0, k_rows, start, n, q, group, dim, scores);
-        softmax_block(scores, n, group, dim, score_scale, value_scale, running_max, running_sum, acc);
+        softmax_block(scores, n, group, dim, score_scale, value_scale, running_max, running_sum, acc, NULL, 0);
         values_block(FORMAT_F32, v_rows, start, n, group, dim, scores, acc);
     }
+    keep_rows(task, running_max, running_sum, group);
     finish_rows(running_sum, acc, group, dim, out);
 }
 #endif
 
 /* p[g][j] = the weight of fp32 key row j (first + j * stride: a dequantized tile's, or the window's) for
- * query g, j < n: the G scores of each row, then their online softmax, the accumulators rescaled
- * (attention_blocks.h). */
+ * query g, j < n: the G scores of each row (kept at logits[g * logit_row + j] where logits is given),
+ * then their online softmax, the accumulators rescaled (attention_blocks.h). */
 static void weigh_rows(const float *q, const float *first, int64_t stride, int64_t n, const Call *call,
-                       float p[][SOFTMAX_BLOCK], float *running_max, float *running_sum, float acc[][MAX_DIM]) {
+                       float p[][SOFTMAX_BLOCK], float *running_max, float *running_sum, float acc[][MAX_DIM],
+                       float *logits, int64_t logit_row) {
     for (int64_t j = 0; j < n; j++) key_scores(q, first + j * stride, call->group, call->dim, call->scale, p, j);
+    if (logits != NULL)
+        for (int64_t g = 0; g < call->group; g++) memcpy(logits + g * logit_row, p[g], sizeof(float) * n);
     softmax_rows(p, n, call->group, call->dim, running_max, running_sum, acc, NULL);
 }
 
@@ -481,26 +499,28 @@ static void attend_tiles(const float *q, const Task *task, const Call *call, flo
     float running_max[MAX_GROUP], running_sum[MAX_GROUP], p[MAX_GROUP][SOFTMAX_BLOCK], acc[MAX_GROUP][MAX_DIM];
     float tile[TILE_ROWS * MAX_DIM]; /* one block of K, then of V, dequantized */
     start_rows(running_max, running_sum, acc, group, dim);
-    for (int64_t start = 0; start < call->quantized_length; start += TILE_ROWS) {
-        int64_t n = call->quantized_length - start < TILE_ROWS ? call->quantized_length - start : TILE_ROWS;
+    for (int64_t start = 0; start < task->length; start += TILE_ROWS) {
+        int64_t n = task->length - start < TILE_ROWS ? task->length - start : TILE_ROWS;
         prefetch_rows(task->keys, start + QUANTIZED_PREFETCH_ROWS, TILE_ROWS, call->key_block);
         prefetch_rows(task->values, start + QUANTIZED_PREFETCH_ROWS, TILE_ROWS, 0);
         dequantize_block(call->format, task->keys, start, n, dim, call->span, call->key_block, tile);
-        weigh_rows(q, tile, dim, n, call, p, running_max, running_sum, acc);
+        weigh_rows(q, tile, dim, n, call, p, running_max, running_sum, acc,
+                   task->logits ? task->logits + start : NULL, task->logit_row);
         dequantize_block(call->format, task->values, start, n, dim, call->span, 0, tile);
         for (int64_t g = 0; g < group; g++) accumulate_values(NULL, tile, dim, n, p[g], dim, acc[g]);
     }
     for (int64_t start = 0; start < call->window_length; start += TILE_ROWS) {
         int64_t n = call->window_length - start < TILE_ROWS ? call->window_length - start : TILE_ROWS;
         const float *k_rows = task->k_window + start * window_row, *v_rows = task->v_window + start * window_row;
-        weigh_rows(q, k_rows, window_row, n, call, p, running_max, running_sum, acc);
+        weigh_rows(q, k_rows, window_row, n, call, p, running_max, running_sum, acc, NULL, 0);
         for (int64_t g = 0; g < group; g++) accumulate_values(NULL, v_rows, window_row, n, p[g], dim, acc[g]);
     }
+    keep_rows(task, running_max, running_sum, group);
     finish_rows(running_sum, acc, group, dim, out);
 }
 
 /* One (sequence, KV head): out[g] = softmax(scale * q[g] . K^T) V over the quantized tokens
- * 0..quantized_length-1, then the window's fp32 rows 0..window_length-1 (the tokens after them). The
+ * 0..task->length-1, then the window's fp32 rows 0..window_length-1 (the tokens after them). The
  * vector path takes head widths of multiples of 32 (int4 with token scales: groups too). */
 static void attend_one(const float *q, const Task *task, const Call *call, float *out) {
 #if VECTOR_INTRINSICS
@@ -519,6 +539,32 @@ static inline QuantizedRows rows_of(quantized_table table, int64_t b, int64_t h)
     return rows;
 }
 
+/* quantized_decode_attention's body, with taps (a constant NULL where the plain kernel inlines it): with
+ * taps, each pair attends over its own fill of quantized tokens, keeps its logits, and is finished in
+ * its task (kernels.h). */
+static inline __attribute__((always_inline)) void attend_quantized_pairs(
+        const float *q, quantized_table keys, quantized_table values, const float *k_window, const float *v_window,
+        const int64_t *window_strides, float *out, int64_t batch, int64_t n_kv, int64_t group,
+        int64_t quantized_length, int64_t window_length, int64_t dim, int format, int64_t span, int64_t key_block,
+        float scale, int threads, const pair_taps *taps) {
+    const Call call = {format, span, key_block, window_length, window_strides[2], group, dim, scale};
+    /* Tasks handed out one at a time: equal work, but on a shared machine one core is often slowed for a
+     * while, and a static split then waits for it. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t pair = 0; pair < batch * n_kv; pair++) {
+        int64_t b = pair / n_kv, h = pair % n_kv, window_offset = b * window_strides[0] + h * window_strides[1];
+        float row_max[MAX_GROUP], row_sum[MAX_GROUP];
+        const int scored = taps != NULL;
+        const Task task = {rows_of(keys, b, h), rows_of(values, b, h), window_length ? k_window + window_offset : NULL,
+                           window_length ? v_window + window_offset : NULL,
+                           scored && taps->fill ? taps->fill[pair] : quantized_length,
+                           scored && taps->logits ? taps->logits + pair * group * taps->logit_row : NULL,
+                           scored ? taps->logit_row : 0, scored ? row_max : NULL, scored ? row_sum : NULL};
+        attend_one(q + pair * group * dim, &task, &call, out + pair * group * dim);
+        if (scored && taps->finish != NULL) taps->finish(taps, pair, row_max, row_sum);
+    }
+}
+
 /* q, out: [B, n_kv, G, D] fp32 contiguous. Payloads: [B, n_kv, S, W] bytes with strides (3, in bytes;
  * rows contiguous). Scales: fp32 with scale_strides (3, in floats): token axis [B, n_kv, S, D / span];
  * channel-axis keys (key_block > 0) [B, n_kv, S / key_block, D]. Windows: [B, n_kv, R, D] fp32 with
@@ -528,16 +574,18 @@ void quantized_decode_attention(const float *q, quantized_table keys, quantized_
                                 const float *v_window, const int64_t *window_strides, float *out, int64_t batch,
                                 int64_t n_kv, int64_t group, int64_t quantized_length, int64_t window_length,
                                 int64_t dim, int format, int64_t span, int64_t key_block, float scale, int threads) {
-    const Call call = {format, span, key_block, quantized_length, window_length, window_strides[2], group, dim, scale};
-    /* Tasks handed out one at a time: equal work, but on a shared machine one core is often slowed for a
-     * while, and a static split then waits for it. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t pair = 0; pair < batch * n_kv; pair++) {
-        int64_t b = pair / n_kv, h = pair % n_kv, window_offset = b * window_strides[0] + h * window_strides[1];
-        const Task task = {rows_of(keys, b, h), rows_of(values, b, h), window_length ? k_window + window_offset : NULL,
-                           window_length ? v_window + window_offset : NULL};
-        attend_one(q + pair * group * dim, &task, &call, out + pair * group * dim);
-    }
+    attend_quantized_pairs(q, keys, values, k_window, v_window, window_strides, out, batch, n_kv, group,
+                           quantized_length, window_length, dim, format, span, key_block, scale, threads, NULL);
+}
+
+/* quantized_decode_attention over token-axis tables alone (no window) with taps (kernels.h): each pair
+ * over its own fill, `length` the most any holds. */
+void quantized_decode_attention_tapped(const float *q, quantized_table keys, quantized_table values, float *out,
+                                       int64_t batch, int64_t n_kv, int64_t group, int64_t length, int64_t dim,
+                                       int format, int64_t span, float scale, int threads, const pair_taps *taps) {
+    const int64_t no_window[3] = {0, 0, 0};
+    attend_quantized_pairs(q, keys, values, NULL, NULL, no_window, out, batch, n_kv, group, length, 0, dim, format,
+                           span, 0, scale, threads, taps);
 }
 
 /* ---- Quantizing a step's new rows (QuantizedLayerCache._store, token-axis scales): what

@@ -1,8 +1,9 @@
 // The CPU kernels as torch operators (namespace harness_kernels): one schema per kernel, a CPU
 // implementation that checks its tensors and calls the plain C entry point (kernels.h), and a Meta
 // implementation that gives the output's shape without touching data, which torch.compile's fake
-// tensors run. Eager code and compiled graphs call the same operator. The only translation unit that
-// includes torch headers, and only the dispatcher's and the tensor's.
+// tensors run. Eager code and compiled graphs call the same operator. With ops_compacted.cpp (the
+// compacted-slot and pruned-key kernels' implementations) the only translation units that include
+// torch headers, and only the dispatcher's and the tensor's; ops_support.h holds their shared checks.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops_compacted.h"
+#include "ops_support.h"
 
 namespace {
 
@@ -21,46 +24,11 @@ using at::Tensor;
 
 // Every constant Python needs, by name: read once per process (harness.kernels.extension.Extension.constants).
 std::tuple<std::vector<std::string>, std::vector<int64_t>> constants() {
-    return {{"MAX_GROUP", "MAX_DIM", "FORMAT_INT8", "FORMAT_INT4", "FORMAT_FP8_E4M3"},
-            {MAX_GROUP, MAX_DIM, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8_E4M3}};
+    return {{"MAX_GROUP", "MAX_DIM", "FORMAT_INT8", "FORMAT_INT4", "FORMAT_FP8_E4M3", "SLOTS_FP32",
+             "STEP_WEIGHTS_IGNORE", "STEP_WEIGHTS_ACCUMULATE", "STEP_WEIGHTS_REPLACE"},
+            {MAX_GROUP, MAX_DIM, FORMAT_INT8, FORMAT_INT4, FORMAT_FP8_E4M3, SLOTS_FP32, STEP_WEIGHTS_IGNORE,
+             STEP_WEIGHTS_ACCUMULATE, STEP_WEIGHTS_REPLACE}};
 }
-
-void check_float(const Tensor &t, const char *name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor, got ",
-                t.scalar_type(), " on ", t.device());
-}
-
-void check_rows(const Tensor &t, const char *name) {
-    TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, name, "'s rows must be contiguous");
-}
-
-// The one check of the attention kernels' limits (kernels.h).
-void check_heads(int64_t group, int64_t dim) {
-    TORCH_CHECK(group >= 1 && group <= MAX_GROUP && dim >= 1 && dim <= MAX_DIM, "the attention kernels take 1 to ",
-                MAX_GROUP, " query heads per KV head and head_dim up to ", MAX_DIM, "; got ", group, " and ", dim);
-}
-
-// q [B, n_kv, G, D] and the two tables an attention kernel reads with it: float32 CPU tensors, 4-d, the
-// tables' rows contiguous, G and D within the kernels' limits.
-void check_attention(const Tensor &q, const Tensor &k, const char *k_name, const Tensor &v, const char *v_name) {
-    for (auto [t, name] : {std::pair{&q, "q"}, {&k, k_name}, {&v, v_name}}) {
-        check_float(*t, name);
-        TORCH_CHECK(t->dim() == 4, name, " must be 4-d, got ", t->sizes());
-    }
-    check_rows(k, k_name);
-    check_rows(v, v_name);
-    check_heads(q.size(2), q.size(3));
-}
-
-// The first three strides of a 4-d tensor (zeros for an absent one), as the kernels take them.
-std::vector<int64_t> strides3(const Tensor &t) {
-    return {t.stride(0), t.stride(1), t.stride(2)};
-}
-
-int threads() { return at::get_num_threads(); }
-
-// The softmax scale 1 / sqrt(D) in fp32, rounded from the double as Python's head_dim**-0.5 is.
-float inverse_sqrt(int64_t dim) { return (float)std::pow((double)dim, -0.5); }
 
 // Scratch a call reuses: per calling thread, grown to the largest call seen, never shrunk.
 float *scratch(std::vector<float> &buffer, int64_t floats) {
@@ -86,8 +54,6 @@ Tensor decode_attention_cpu(const Tensor &q, const Tensor &k, const Tensor &v, i
                      inverse_sqrt(dim), threads());
     return out;
 }
-
-Tensor same_shape_meta(const Tensor &q) { return at::empty_symint(q.sym_sizes(), q.options()); }
 
 Tensor decode_attention_meta(const Tensor &q, const Tensor &, const Tensor &, c10::SymInt, c10::SymInt) {
     return same_shape_meta(q);
@@ -119,14 +85,6 @@ Tensor paged_decode_attention_cpu(const Tensor &q, const Tensor &k_pool, const T
 
 Tensor paged_decode_attention_meta(const Tensor &q, const Tensor &, const Tensor &, const Tensor &, c10::SymInt) {
     return same_shape_meta(q);
-}
-
-const uint8_t *bytes(const Tensor &t) { return static_cast<const uint8_t *>(t.data_ptr()); }
-
-void check_payload(const Tensor &payload, const char *name) {
-    TORCH_CHECK(payload.device().is_cpu() && payload.element_size() == 1 && payload.dim() == 4 &&
-                    payload.stride(3) == 1,
-                name, " must be a 4-d CPU tensor of one-byte codes with contiguous rows");
 }
 
 // q [B, n_kv, G, D] over the quantized tokens 0..quantized_length-1 (payloads [B, n_kv, S, W], fp32
@@ -309,6 +267,14 @@ TORCH_LIBRARY(harness_kernels, m) {
           "Tensor? k_window, Tensor? v_window, SymInt quantized_length, SymInt window_length, int format, int span, "
           "int key_block) -> Tensor");
     m.def("quantize_rows_(Tensor x, Tensor(a!) payload, Tensor(b!) scales, int format, int span, SymInt start) -> ()");
+    m.def("compacted_decode_attention(Tensor q, Tensor[] keys, Tensor[] values, Tensor fill, Tensor(a!)? scores, "
+          "int step_weights, int format, int span) -> Tensor");
+    m.def("evicting_decode_step_(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!)[] keys, Tensor(b!)[] values, "
+          "Tensor(c!) fill, Tensor(d!) positions, Tensor(e!) scores, Tensor(f!) free, SymInt position, float entry_score, "
+          "int step_weights, int budget, int protected_first, int protected_recent, int format, int span, "
+          "Tensor(g!)? sink_keys, Tensor? cos, Tensor? sin) -> Tensor");
+    m.def("pruned_key_decode_attention_(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k, Tensor(b!) v, "
+          "Tensor channels, SymInt position) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("attention_input(Tensor x, Tensor norm_weight, float eps, Tensor wqkv, Tensor cos, Tensor sin, "
@@ -321,6 +287,9 @@ TORCH_LIBRARY(harness_kernels, m) {
 #define OPERATORS(X)                                                                                       \
     X("decode_attention", decode_attention) X("paged_decode_attention", paged_decode_attention)           \
     X("quantized_decode_attention", quantized_decode_attention) X("quantize_rows_", quantize_rows)       \
+    X("compacted_decode_attention", compacted_decode_attention)                                           \
+    X("evicting_decode_step_", evicting_decode_step)                                                      \
+    X("pruned_key_decode_attention_", pruned_key_decode_attention)                                        \
     X("gemv", gemv) X("rms_norm", rms_norm) X("attention_input", attention_input)                         \
     X("attention_output_and_ffn_", attention_output_and_ffn)
 
