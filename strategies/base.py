@@ -147,12 +147,41 @@ class Strategy(ABC):
     # Serving (harness.serve): a serving pool of this strategy may prefill a prompt in chunks over several
     # iterations (serving.prefill_chunk); False where the cache needs the whole prompt at once.
     chunked_prefill: ClassVar[bool] = True
+    # Options that size its cache apart from the point's sequence, named when a point is too large for its
+    # memory: one that caps the tokens kept (eviction's budget), ones whose value is allocated per sequence
+    # whatever its length (static_full's max_len, a paged block, a full-width residual window).
+    cache_cap_option: ClassVar[str | None] = None
+    cache_allocation_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backend: str = "auto"):
         allowed = ("auto", *self.backend_names())
         if backend not in allowed:
             raise StrategyOptionError("backend", f"unknown value {backend!r}, allowed: {', '.join(allowed)}")
         self.backend = backend  # auto, or the backend a point runs (the plan resolves auto: strategies.backends)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The options a YAML or `strategy.<option>=` may set (`option_defaults`)."""
+        return tuple(cls.option_defaults())
+
+    @classmethod
+    def no_such_option(cls, option: str, chosen: str | None = None) -> StrategyOptionError:
+        """`strategy.<option>` that this class does not take, refused with the options it does; `chosen`:
+        the conf/strategy/ option the command line picked (a variant, such as h2o of eviction)."""
+        named = cls.name if chosen in (None, cls.name) else f"{chosen} ({cls.name})"
+        return StrategyOptionError(option, f"{named} has no option '{option}'; its options: {', '.join(cls.option_names())}")
+
+    @classmethod
+    def from_options(cls, options: dict, chosen: str | None = None) -> "Strategy":
+        """The strategy a config's options build, each checked by the class (StrategyOptionError naming
+        the first it refuses); one the class does not take is refused with those it does."""
+        for option in options:
+            if option not in cls.option_names():
+                raise cls.no_such_option(option, chosen)
+        try:
+            return cls(**options)
+        except TypeError as error:  # a value of a kind the class's own checks did not expect
+            raise ConfigError("strategy", f"{cls.name} refused its options {options}: {str(error).splitlines()[0]}") from None
 
     @classmethod
     def backend_names(cls) -> tuple[str, ...]:

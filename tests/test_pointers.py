@@ -21,10 +21,10 @@ from tests.conftest import REPO_ROOT
 
 TEXT_SUFFIXES = (".py", ".md", ".yaml", ".toml", ".c", ".h", ".cpp", ".sh")
 EXTRA_FILES = (".ci/run",)
-ROOTS = ("harness", "strategies", "conf", "tests", "scripts", "docs", ".ci")  # folders a path pointer starts with
+ROOTS = ("harness", "strategies", "hydra_plugins", "conf", "tests", "scripts", "docs", ".ci")  # folders a path pointer starts with
 PATH = re.compile(r"(?<![\w./$-])((?:%s)/[\w./*<>{}-]*)" % "|".join(re.escape(r) for r in ROOTS))
 LINE_SUFFIX = re.compile(r":\d+(?:-\d+)?$")  # `file.py:57-70`: a line range, not part of the path
-DOTTED = re.compile(r"(?<![\w./])((?:harness|strategies)(?:\.[A-Za-z_]\w*)+)(?::([A-Za-z_][\w.]*))?")
+DOTTED = re.compile(r"(?<![\w./])((?:harness|strategies|hydra_plugins\.harness_sweeper)(?:\.[A-Za-z_]\w*)+)(?::([A-Za-z_][\w.]*))?")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PLACEHOLDER = re.compile(r"[<{$*]")
 

@@ -35,7 +35,8 @@ from harness.analysis.table import render_table
 from harness.analysis.usage import GROUPS, usage
 from harness.config import ConfigError, ModelConfig, model_config_from
 from harness.config.paths import config_dir
-from harness.config.overrides import composition_refusal, named_options, parsed_overrides, unknown_option
+from harness.config.overrides import (chosen_option, composition_refusal, named_options, parsed_overrides,
+                                      strategy_option_refusal, unknown_option)
 from harness.config.validate import (bounded_tree, first_line, interpolations_resolve, known_keys,
                                      one_of, positive_float, safe_name, target_class, validate_workload)
 
@@ -79,7 +80,8 @@ def _check_overrides(overrides: list[str]) -> None:
     parser = OverridesParser.create()
     try:
         for override in parsed_overrides(parser, overrides, GROUPS, _options, sweeps=False,
-                                         usage=f" (--help lists them), keys: {', '.join(AnalyticConfig.__dataclass_fields__)}"):
+                                         usage=f" (--help lists them), keys: {', '.join(AnalyticConfig.__dataclass_fields__)}",
+                                         schema=AnalyticConfig):
             group, value = override.key_or_group, None if override.is_delete() else override.value()
             option = value if isinstance(value, str) else override.get_value_element_as_str()  # null, 1 as written
             if group in GROUPS and value is not None and option not in _options(group):
@@ -97,7 +99,9 @@ def compose(overrides: list[str]):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="analytic"):
             cfg = hydra_compose(config_name="analytic", overrides=overrides)
     except Exception as error:  # Hydra and OmegaConf raise many types; all mean bad input here
-        raise UsageError(_one_line(error)) from None
+        said = _one_line(error)
+        option = strategy_option_refusal(said.split(":", 1)[0], overrides, compose)
+        raise UsageError(str(option) if option else said) from None
     try:
         interpolations_resolve(cfg)  # every ${...} resolves before a value is read
     except ConfigError as error:
@@ -129,18 +133,20 @@ def _fields(parent: str) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def cache_layout(strategy, shape):
-    """The layout of the configured strategy for `shape` (the class imported from its `_target_`)."""
+def cache_layout(strategy, shape, chosen: str | None = None):
+    """The layout of the configured strategy for `shape` (the class imported from its `_target_`, built
+    from its options as the runner builds it: strategies.base.Strategy.from_options). `chosen`: the
+    option of conf/strategy/ picked."""
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
-        return target_class("strategy._target_", strategy.get("_target_"))(**options).cache_layout(shape)
+        return target_class("strategy._target_", strategy.get("_target_")).from_options(options, chosen).cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
-    except Exception as error:  # the class refused its options: TypeError for an unknown one, its own checks
+    except Exception as error:  # the class's own checks of the shape (ValueError)
         raise UsageError(f"strategy: {str(error).splitlines()[0]}") from None
 
 
-def workload(cfg) -> tuple[ModelConfig, Roof, str, object]:
+def workload(cfg, chosen: str | None = None) -> tuple[ModelConfig, Roof, str, object]:
     """Check what a type cannot express (the runner's own checks), resolve the roof and the layout."""
     try:
         known_keys(cfg, AnalyticConfig)  # a key added with `+` would be carried along unread
@@ -159,7 +165,7 @@ def workload(cfg) -> tuple[ModelConfig, Roof, str, object]:
         roof, source = resolve(hardware, cfg.dtype, cfg.results_dir, cfg.device)
     except HardwareError as error:
         raise UsageError(str(error)) from None
-    return shape, roof, source, cache_layout(OmegaConf.to_container(cfg.strategy, resolve=True), shape)
+    return shape, roof, source, cache_layout(OmegaConf.to_container(cfg.strategy, resolve=True), shape, chosen)
 
 
 def _check_plan(cfg) -> None:
@@ -211,7 +217,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg = compose(argv)
-        shape, roof, source, layout = workload(cfg)
+        shape, roof, source, layout = workload(cfg, chosen_option("strategy", argv))
         figures = figures_of(cfg, shape, roof, layout)
     except UsageError as error:
         print(error, file=sys.stderr)

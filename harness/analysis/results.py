@@ -41,7 +41,7 @@ from harness.config import CacheLayout
 from harness.config.validate import ConfigError, first_line
 from harness.store import calibration
 from harness.store.recorded import layout_of, odd_points, shape_of
-from harness.store.upgrade import upgrade
+from harness.store.upgrade import unreadable_versions, upgrade
 
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
 
@@ -260,7 +260,11 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datash
         skipped += not_rows
         problems += [(str(p), why) for p, why in calibration.read_all(folder)[1]]
     frames = [frame for frame in frames if len(frame)] or frames[:1]
-    rows, duplicates = dedupe(upgrade(pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]))
+    rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    unreadable = unreadable_versions(rows)  # a row of a newer schema (or none) is named, not relabelled
+    skipped += [(f"{folder}/{name}", why) for folder, name, why in
+                zip(rows["source_dir"][unreadable.notna()], rows["source_file"][unreadable.notna()], unreadable.dropna())]
+    rows, duplicates = dedupe(upgrade(rows[unreadable.isna()]))
     rows = add_series(rows)
     table = add_predictions(rows, folders[0], fallback_hardware, datasheet) if len(rows) else rows
     table.attrs["skipped_files"] = skipped

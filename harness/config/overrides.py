@@ -23,7 +23,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep
 from hydra.errors import HydraException
 
-from harness.config.validate import ConfigError, first_line
+from harness.config.schema import field_type
+from harness.config.validate import ConfigError, first_line, target_class
 
 SCHEMA_SUFFIX = "_schema"  # harness.config.schema.register_schemas' entries: schemas, not options of a group
 # What Hydra's grammar reads unquoted (hydra/grammar/OverrideLexer.g4), and the forms it gives a value.
@@ -48,11 +49,11 @@ def unknown_option(group: str, option: str, options: Iterable[str]) -> ConfigErr
 
 
 def parsed_overrides(parser: OverridesParser, overrides: list[str], groups: tuple[str, ...], options: Callable[[str], list[str]],
-                     sweeps: bool, usage: str = "") -> list:
+                     sweeps: bool, usage: str = "", schema: Optional[type] = None) -> list:
     """Each override as Hydra's `parser` reads it, ConfigError on the first its grammar cannot read, that
-    gives one of `groups` anything but an option's name, or (where the command does not sweep) that is a
-    sweep. `options(group)`: the group's options; `sweeps`: the command takes `-m key=a,b`; `usage`:
-    where its keys are listed."""
+    gives one of `groups` anything but an option's name, that gives a boolean key of `schema` anything
+    but true or false, or (where the command does not sweep) that is a sweep. `options(group)`: the
+    group's options; `sweeps`: the command takes `-m key=a,b`; `usage`: where its keys are listed."""
     found = []
     for override in overrides:
         try:  # one at a time: parse_overrides' own refusal names the lexer's exception, not the character
@@ -67,8 +68,28 @@ def parsed_overrides(parser: OverridesParser, overrides: list[str], groups: tupl
             value = parsed.value()  # a sweep's values each name one option too (a glob() names options)
             for one in value.list if isinstance(value, ChoiceSweep) else [] if parsed.is_sweep_override() else [value]:
                 one_option(parsed.key_or_group, one, options, sweeps)
+        if schema is not None and not parsed.is_delete() and field_type(parsed.key_or_group, schema) is bool:
+            one_boolean(parsed)
         found.append(parsed)
     return found
+
+
+def one_boolean(parsed) -> None:
+    """A boolean key takes true or false: OmegaConf would read `2`, `-1` or `yes` as true, and a row
+    would then claim a switch that was never asked for. (An interpolation is typed where it resolves; a
+    list, a mapping or null is said by composition_refusal.)"""
+    value = parsed.value()
+    if isinstance(value, ChoiceSweep):
+        values = value.list
+    elif parsed.is_sweep_override():  # range() or interval(): numbers
+        raise ConfigError(parsed.key_or_group, f"takes a boolean (true or false), got {parsed.input_line.split('=', 1)[1]}")
+    else:
+        values = [value]
+    for one in values:
+        if isinstance(one, (bool, list, dict)) or one is None or (isinstance(one, str) and one.startswith("${")):
+            continue
+        shown = f"'{one}' (a string)" if isinstance(one, str) else repr(one)
+        raise ConfigError(parsed.key_or_group, f"takes a boolean (true or false), got {shown}")
 
 
 def unreadable(parse: Callable, override: str, error: HydraException, groups: tuple[str, ...],
@@ -127,6 +148,39 @@ def composition_refusal(error: BaseException, sweeps: bool) -> Optional[ConfigEr
             hint = f"; {sweep_hint(key, value)}" if sweeps and isinstance(value, list) else ""
             return ConfigError(key, f"takes one {_kind(raised)}, not {what} ({value!r}){hint}")
     return None
+
+
+def defaults_list_hint(error: BaseException) -> Optional[ConfigError]:
+    """`sweep=kv_compression` for a group the defaults list does not hold: Hydra's own hint (its
+    message's second line, `+sweep=...`) kept on the key."""
+    found = re.match(r"Could not override '([^']+)'\. No match in the defaults list\.\s*To append to your default "
+                     r"list use (\S+)", " ".join(str(error).split()))
+    if found:
+        return ConfigError(found.group(1), f"is not in the defaults list: add it with {found.group(2)}")
+    return None
+
+
+def strategy_option_refusal(key: str, overrides: list[str], compose: Callable[[list[str]], Any]) -> Optional[ConfigError]:
+    """`strategy.<option>=` that the chosen strategy does not take (Hydra's answer: "Could not override"),
+    said with the options its class does take (strategies.base.Strategy.no_such_option): the config
+    composed without the strategy's options names the class. `compose(overrides)`: the CLI's composed
+    config. None where that cannot tell (the class takes the option: another refusal applies)."""
+    if not key.startswith("strategy."):
+        return None
+    option = key.split(".")[1]
+    plain = [o for o in overrides if not o.lstrip("+~").startswith("strategy.")]
+    try:
+        cls = target_class("strategy._target_", compose(plain).strategy.get("_target_"))
+    except Exception:  # noqa: BLE001 - the composition's own refusal says it
+        return None
+    if not hasattr(cls, "no_such_option") or option in cls.option_names():
+        return None
+    return cls.no_such_option(option, chosen_option("strategy", overrides))
+
+
+def chosen_option(group: str, overrides: list[str]) -> Optional[str]:
+    """The option of `group` the overrides pick (the last `group=name`), None where they pick none."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+").split("=", 1)[0] == group), None)
 
 
 def _kind(raised: BaseException) -> str:

@@ -13,7 +13,7 @@ folder on Hydra's search path) brings its options without an edit to this file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, ClassVar, Optional, get_type_hints
+from typing import Any, ClassVar, Optional, Union, get_args, get_origin, get_type_hints
 
 from harness.config.keys import OPTIONAL_IN_KEY
 
@@ -221,6 +221,18 @@ def unknown_key(tree, schema=RunConfig, prefix: str = "", skip: tuple[str, ...] 
             if found:
                 return found
     return None
+
+
+def field_type(key: str, schema=RunConfig):
+    """The type a dotted key (`accuracy.recall`) takes in `schema`, Optional[...] unwrapped; None where
+    no schema field types it (a strategy's option: its class's to check; a key that does not exist)."""
+    for part in key.split("."):
+        found = {f.name: f for f in fields(schema)}.get(part) if is_dataclass(schema) else None
+        if found is None:
+            return None
+        schema = get_type_hints(schema)[part]
+        schema = next((a for a in get_args(schema) if a is not type(None)), schema) if get_origin(schema) is Union else schema
+    return schema
 
 
 def register_schemas() -> None:

@@ -12,8 +12,9 @@ How one key travels, e.g. `batch=4`, from the command line to its column:
 3. `harness.run.resolve.point_from_config`: copied into the frozen `harness.config.point.Point`, whose
    `key` hashes it (`harness.config.keys.keyed_fields`) and whose `group_key` groups it.
 4. `harness.run.grouping.form_groups`: the points that share it (and everything but the strategy) are one group.
-5. `harness.run.launch.run_sweep` -> one job per group -> `harness.run.execute.measure_planned_group` ->
-   `harness.run.isolation.run_isolated` -> `harness.measure.group.measure_group`:
+5. `harness.run.launch.run_jobs` -> one job per group (the Sweeper plugin, hydra_plugins/harness_sweeper/) ->
+   `harness.run.execute.measure_planned_group` -> `harness.run.isolation.run_isolated` ->
+   `harness.measure.group.measure_group`:
    in the group's own process, `harness.measure.member.Member.set_up` builds each member's session for
    `point.batch` sequences (`strategies.base.Strategy.new_session`), and the rounds time its steps.
 6. `harness.run.row.build_row`: `flatten(point)` makes it the `batch` column, typed by

@@ -2,7 +2,8 @@
 
 Pipeline: command line -> every point composed, checked and resolved once (harness.run.plan) -> the
 points grouped by shape (harness.run.grouping: interleave=shape times a shape's strategies together) ->
-one Hydra job per group, through the chosen launcher (harness.run.launch) -> each group's members kept
+one Hydra job per group, decided by the harness's Sweeper plugin and run by the chosen launcher
+(harness.run.launch; a single point is one job measuring its groups) -> each group's members kept
 if their row is finished (harness.store.files.finished_row), unless it failed (rerun_failed, true by
 default), another code state made it (rerun_other_code) or overwrite=true -> the group measured in a
 process of its own -> a row per member (the point's dataclasses + measurement + analytic model +
@@ -41,14 +42,12 @@ from harness.run import capacity_search  # noqa: E402
 from harness.run.execute import Progress, RunContext, clock, measure_planned  # noqa: E402
 from harness.run.isolation import PointInterrupted, stop_fork_server  # noqa: E402
 from harness.run.closing import closing_line  # noqa: E402
-from harness.run.launch import SweepStopped, run_sweep  # noqa: E402
-from harness.run.plan import CONFIG_DIR, CONFIG_NAME, check_printed_config, hydra_order, needs_preflight, plan  # noqa: E402
+from harness.run.launch import SweepStopped, run_jobs  # noqa: E402
+from harness.run.plan import CONFIG_DIR, CONFIG_NAME, check_shown_config, hydra_order, needs_preflight, plan  # noqa: E402
 from harness.run.resolve import cuda_available  # noqa: E402
 from harness.store.files import remove_stale_temporaries  # noqa: E402
 
 log = logging.getLogger("harness")
-LAUNCHER_LOGGERS = ("hydra._internal.core_plugins.basic_launcher",
-                    "hydra_plugins.hydra_submitit_launcher.submitit_launcher")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
@@ -77,13 +76,13 @@ def _fault_line(error: BaseException, results_dir: str, written: int) -> str:
             "whole: fix it and run the same command again to complete the sweep")
 
 
-def quiet_launchers(argv: list[str]) -> None:
+def quiet_launchers(argv: list[str], launcher: str | None) -> None:
     """Hydra's launchers log two lines per job (`Launching 1 jobs locally`, `#0 : <overrides>`) before
-    every progress line of ours, which says the same; they are kept for `hydra.verbose`."""
-    if any(arg.lstrip("+").startswith("hydra.verbose") for arg in argv):
+    every progress line of ours, which says the same; they are kept for `hydra.verbose`. `launcher`:
+    the launcher's class, whose module is its logger's name (Hydra's and submitit's launchers alike)."""
+    if launcher is None or any(arg.lstrip("+").startswith("hydra.verbose") for arg in argv):
         return
-    for name in LAUNCHER_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(launcher.rpartition(".")[0]).setLevel(logging.WARNING)
 
 
 def _search_max_batch(context: RunContext, planned) -> list:
@@ -102,10 +101,11 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:]
     register_schemas()
-    if not needs_preflight(argv):
+    if not needs_preflight(argv):  # --help, --cfg, ...: Hydra prints and exits, no point runs
         try:
-            check_printed_config(argv)  # --cfg job --resolve: an interpolation that does not resolve
-            show_config()  # --help, --cfg, ...: Hydra prints and exits, no point runs
+            check_shown_config(argv, cuda_available)
+            sys.argv[1:] = hydra_order(argv)  # `model=tiny --cfg job ctx=8`: Hydra's parser takes flags first
+            show_config()
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -121,8 +121,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted before the first point: nothing written", file=sys.stderr)
         return 130
-    quiet_launchers(argv)
-    sys.argv[1:] = hydra_order(argv)  # Hydra's parser takes flags before overrides only
+    quiet_launchers(argv, the_plan.launcher)
     points = the_plan.points
     context = RunContext(Progress(total=len(points)))
     progress = context.progress
@@ -137,7 +136,7 @@ def main() -> int:
         if first.config.search == "max_batch":
             points = _search_max_batch(context, first)
         else:
-            run_sweep(the_plan, context)
+            run_jobs(the_plan, context)
     except (KeyboardInterrupt, PointInterrupted):
         stop_fork_server()
         print(f"interrupted: {progress.written} rows written to '{results_dir}', each whole; run the same "

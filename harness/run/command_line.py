@@ -13,7 +13,9 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.config.overrides import SCHEMA_SUFFIX, composition_refusal, parsed_overrides, unknown_option
+from harness.config.overrides import (SCHEMA_SUFFIX, composition_refusal, defaults_list_hint, parsed_overrides,
+                                      strategy_option_refusal, unknown_option)
+from harness.config.schema import RunConfig
 from harness.config.validate import ConfigError, first_line, interpolations_resolve
 from harness.run.grouping import GROUP_KEY
 
@@ -24,6 +26,13 @@ RUN_FLAGS = ("-r", "--run")
 PASS_THROUGH_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
                       "--shell-completion", "-sc", "--resolve", "--package", "-p")
 VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")  # pass-through flags followed by their value
+OWN_ARGUMENT_FLAGS = ("--version", "--shell-completion", "-sc")  # what follows them is no override of the config
+# The values Hydra's --cfg and --info take (--info alone: all); checked here, where Hydra's parser answers
+# a wrong one, or an override it took for the value, with its usage.
+FLAG_CHOICES = {"--cfg": ("job", "hydra", "all"), "--info": ("all", "config", "defaults", "defaults-tree", "plugins",
+                                                             "searchpath")}
+FLAG_CHOICES.update({"-c": FLAG_CHOICES["--cfg"], "-i": FLAG_CHOICES["--info"]})
+VALUE_OPTIONAL = {"--info": "all", "-i": "all"}  # flags whose value may be left out, and Hydra's default for it
 # Hydra keys a command line may set: none of them moves the working directory or the output.
 HYDRA_KEYS_ALLOWED = ("hydra.searchpath", "hydra.mode", "hydra.verbose", "hydra/launcher")
 LAUNCHER_OPTIONS = "hydra.launcher."  # a chosen launcher's options (OUTPUT_SETTINGS still checked)
@@ -44,18 +53,57 @@ def check_flags(argv: list[str]) -> None:
                                               "extra configs: hydra.searchpath=[file:///abs/folder]")
 
 
+def check_flag_values(argv: list[str]) -> None:
+    """--cfg and --info given a value Hydra takes, and --hydra-help (Hydra's own help, which no
+    override changes) none: ConfigError in one line otherwise."""
+    flags, overrides = split_flags(argv)
+    for at, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if name not in FLAG_CHOICES:
+            continue
+        following = flags[at + 1] if at + 1 < len(flags) and not flags[at + 1].startswith("-") else None
+        value = value or following
+        if value is None and name in VALUE_OPTIONAL:
+            continue
+        if value not in FLAG_CHOICES[name]:
+            given = f"got {value!r}" if value is not None else "got none"
+            raise ConfigError("command line", f"{name} takes one of {', '.join(FLAG_CHOICES[name])}, {given}")
+    if "--hydra-help" in flags and overrides:
+        raise ConfigError("command line", "--hydra-help prints Hydra's own help, which no override changes: drop "
+                                          f"{overrides[0]!r} and the others, or use --help for this program's")
+
+
+def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A command line's flags (each followed by its value where it takes one: `--cfg job`) and its
+    overrides, each kept in its order."""
+    flags, overrides, takes_value = [], [], False
+    for arg in argv:
+        if arg.startswith("-") or (takes_value and "=" not in arg):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+        takes_value = arg in VALUE_FLAGS
+    return flags, overrides
+
+
 def hydra_order(argv: list[str]) -> list[str]:
-    """A planned command line as Hydra's parser takes it: its flags (-m, --run: none takes a value) before
-    its overrides, each kept in its order. `model=tiny -m batch=1,2` is planned as written; Hydra's parser
-    would stop at the flag and print its usage."""
-    return [arg for arg in argv if arg.startswith("-")] + [arg for arg in argv if not arg.startswith("-")]
+    """A command line as Hydra's parser takes it: its flags (with their values) before its overrides,
+    each kept in its order. `model=tiny -m batch=1,2` or `model=tiny --cfg job ctx=8` is planned as
+    written; Hydra's parser would stop at the flag and print its usage."""
+    flags, overrides = split_flags(argv)
+    given = []  # a flag whose value may be left out gets Hydra's default, so no override is taken for it
+    for at, flag in enumerate(flags):
+        given.append(flag)
+        if flag in VALUE_OPTIONAL and (at + 1 == len(flags) or flags[at + 1].startswith("-")):
+            given.append(VALUE_OPTIONAL[flag])
+    return given + overrides
 
 
 def parse_overrides(parser: OverridesParser, overrides: list[str]):
     """The overrides parsed, ConfigError on the first Hydra cannot read or that gives a group a list
     (harness.config.overrides)."""
     return parsed_overrides(parser, overrides, GROUPS, lambda group: group_options(group, overrides),
-                            sweeps=True, usage=" (python -m harness.run --cfg job prints the keys)")
+                            sweeps=True, usage=" (python -m harness.run --cfg job prints the keys)", schema=RunConfig)
 
 
 def group_options(group: str, overrides: list[str]) -> list[str]:
@@ -128,7 +176,8 @@ def compose_config(overrides: list[str], with_hydra: bool):
     except MissingConfigException as error:
         raise missing_option(error) from None
     except (HydraException, OmegaConfBaseException) as error:
-        raise composition_error(error) from None
+        said = composition_error(error)
+        raise strategy_option_refusal(said.key, overrides, lambda plain: compose_config(plain, False)) or said from None
     except ValueError as error:  # Hydra's answer to a config group a preset sets to null (the command line's: parse_overrides)
         raise ConfigError("config", f"{first_line(error, typed=False)}: a config group takes one of its options by name") from None
     # Every ${...} resolves before a value is read; of Hydra's node, the keys a command line may set
@@ -152,7 +201,7 @@ def composition_error(error: Exception) -> ConfigError:
     cause = error.__cause__ or error
     key = getattr(cause, "full_key", None) or getattr(error, "full_key", None)
     message = first_line(cause, typed=False)
-    said = composition_refusal(error, sweeps=True)
+    said = composition_refusal(error, sweeps=True) or defaults_list_hint(error)
     if said:
         return said
     if "is not in struct" in str(cause) or "Could not override" in str(error):

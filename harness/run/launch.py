@@ -1,40 +1,32 @@
-"""A sweep's groups run as Hydra jobs, one job per group, through the launcher the command line chose.
+"""A command line's groups run as Hydra jobs, through Hydra's public API: `hydra.main` and a Sweeper plugin.
 
-The plan (harness.run.plan) expands the sweep into its groups (harness.run.grouping); this module hands
-them to Hydra's launcher plugin (the basic launcher runs each job in this process; submitit's local and
-Slurm launchers run each in a process or cluster job of its own) with `launch(job_overrides,
-initial_job_idx)`: one job per group, whose overrides are its first member's plus `+group=<spec>`
-(harness.run.grouping.GroupSpec). A job of this process finds its group's planned members in the
-RunContext; a job elsewhere plans them again from the spec and checks their keys. Each job writes its
-group's rows and hands back what it measured; once the launcher returns, the groups are judged
-against each other (harness.run.windows) here, and a slow one is measured again as one further job.
-So a sweep of N groups is N jobs, plus one per slow window measured again.
-
-A single point (no -m) is one job in Hydra's run mode, logged under `<results_dir>/_hydra/run/`.
+The plan (harness.run.plan) expands the command line into its groups (harness.run.grouping); `run_jobs`
+hands Hydra the plan as its task function, a `GroupJobs`, through `hydra.main`:
+- with -m (or a preset's hydra.mode=MULTIRUN), Hydra composes the sweep's config and instantiates the
+  sweeper conf/config.yaml chooses, hydra_plugins.harness_sweeper (`hydra/sweeper=harness`), which
+  launches one job per group through the configured launcher (Hydra's basic one runs each in this
+  process; submitit's local and Slurm ones each in a process or cluster job of its own), each job's
+  overrides its first member's plus `+group=<spec>` (`job_overrides`); once they are back it judges the
+  groups against each other (harness.run.windows) and launches a slow one again as one further job.
+  So a sweep of N groups is N jobs, plus one per slow window measured again. A job of this process
+  finds its group's planned members in the RunContext; a job elsewhere plans them again from the spec
+  and checks their keys (harness.run.plan.plan_group).
+- a single point (no -m) is one job in Hydra's run mode, logged under `<results_dir>/_hydra/run/`,
+  which measures every group of the plan in this process: the point's repeats (repeats=N) included.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import sys
+from dataclasses import dataclass, field
 
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_config_search_path
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.plugins import Plugins
-from hydra.core.utils import JobReturn
-from hydra.initialize import get_gh_backup, restore_gh_from_backup
-from hydra.types import HydraContext, RunMode
-from hydra._internal.callbacks import Callbacks
+import hydra
 
-from harness.run import windows
-from harness.run.execute import RunContext, measure_planned_group, measure_timed
-from harness.run.grouping import GroupSpec, PlannedGroup
+from harness.run.execute import RunContext, measure_groups, measure_planned_group, measure_timed
+from harness.run.grouping import GROUP_KEY, GroupSpec, PlannedGroup
 from harness.run.plan import CONFIG_DIR, CONFIG_NAME, plan_group
 from harness.run.resolve import cuda_available
 from harness.run.windows import MeasuredGroup
-
-TASK_NAME = "app"  # Hydra's job name: its log file in each job's folder is app.log, as under hydra.main in app.py
-
 
 class SweepStopped(BaseException):
     """A fault that ends the sweep (results_dir full or unwritable). A BaseException, so that Hydra's
@@ -48,97 +40,73 @@ def is_hydra_override(override: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
-def run_group_job(context: RunContext, cfg) -> MeasuredGroup | None:
-    """A Hydra job's work: the group its `+group=` override names, measured and its rows written (or, for
-    a second measurement, measured and handed back unwritten)."""
-    spec = GroupSpec.decode(cfg.group)
-    context.progress.done = max(context.progress.done, spec.first)
-    members = [context.planned.get(key) for key, _ in spec.members]
-    if None in members:  # a job of another process: its members planned again here
-        members = plan_group(spec, cuda_available)
-    try:
+def job_overrides(spec: GroupSpec) -> list[str]:
+    """A group's job as the launcher runs it: its first member's overrides (Hydra's own left to the
+    sweep's config) and `+group=<spec>`, which names its work."""
+    first = spec.members[0][1]
+    return [o for o in first if not is_hydra_override(o)] + [spec.override()]
+
+
+def measured_again(window: MeasuredGroup) -> GroupSpec:
+    """A slow window's second measurement as a job: its timed members, the rows it is for."""
+    return GroupSpec.of(PlannedGroup(window.group_id, window.timed), again=tuple(sorted(window.to_write)))
+
+
+@dataclass
+class GroupJobs:
+    """Hydra's task function for a planned command line. Called with a job's config: the group its
+    `+group=` override names, measured and its rows written (or, for a second measurement, measured
+    and handed back unwritten); in run mode (no group named), every group of the plan."""
+
+    context: RunContext  # this process's progress and calibrations; a launcher's jobs elsewhere get a copy
+    groups: list = field(default_factory=list)  # the plan's PlannedGroups, in measuring order (none in a copy sent elsewhere)
+    in_process: bool = True  # the launcher runs the jobs in this process, where context.planned holds their members
+
+    @classmethod
+    def of(cls, the_plan, context: RunContext) -> "GroupJobs":
+        context.planned = {member.point.key: member for group in the_plan.groups for member in group.members}
+        return cls(context, list(the_plan.groups), the_plan.in_process)
+
+    def __call__(self, cfg) -> MeasuredGroup | None:
+        try:
+            if cfg.get(GROUP_KEY) is None:  # run mode: the one job of a command line without -m
+                measure_groups(self.context, self.groups)
+                return None
+            return self._group_job(GroupSpec.decode(cfg[GROUP_KEY]))
+        except OSError as error:  # the results folder (a row, a calibration record) cannot be written
+            raise SweepStopped(error) from error
+
+    def _group_job(self, spec: GroupSpec) -> MeasuredGroup | None:
+        context = self.context
+        context.progress.done = max(context.progress.done, spec.first)
+        members = [context.planned.get(key) for key, _ in spec.members]
+        if None in members:  # a job of another process: its members planned again here
+            members = plan_group(spec, cuda_available)
         if spec.again is not None:
             return measure_timed(context, spec.group_id, members, set(spec.again), write=False)
         return measure_planned_group(context, PlannedGroup(spec.group_id, members))
-    except OSError as error:  # the results folder (a row, a calibration record) cannot be written
-        raise SweepStopped(error) from error
 
+    def specs(self) -> list[GroupSpec]:
+        """Each group of the plan as a job's spec, counting the points handled before it."""
+        specs, first = [], 0
+        for group in self.groups:
+            specs.append(GroupSpec.of(group, first))
+            first += len(group.members)
+        return specs
 
-@dataclasses.dataclass
-class GroupLauncher:
-    """Hydra, composed once for the sweep, with its launcher set up to run group jobs."""
-
-    the_plan: object  # harness.run.plan.Plan
-    context: RunContext  # this process's progress and calibrations; a launcher's jobs get a copy
-    hydra: Hydra | None = None
-    master: object = None  # the sweep's config, with Hydra's node (the first job's overrides)
-    launcher: object = None
-    launched: int = 0  # jobs launched so far: the next job's index
-
-    def __enter__(self) -> "GroupLauncher":
-        self._backup = get_gh_backup()
-        GlobalHydra.instance().clear()
-        self.hydra = Hydra.create_main_hydra2(task_name=TASK_NAME,
-                                              config_search_path=create_config_search_path(CONFIG_DIR))
-        first = self.the_plan.planned[0].overrides
-        if not self.the_plan.multirun:
+    def launched_by(self, parallelism: int) -> "GroupJobs":
+        """The task a launcher runs `parallelism` jobs at a time: this one, where the jobs run in this
+        process; elsewhere a copy without the plan (each job plans its group again from its spec)."""
+        self.context.parallelism = parallelism
+        if self.in_process:
             return self
-        self.master = self.hydra.compose_config(CONFIG_NAME, list(first), run_mode=RunMode.MULTIRUN,
-                                                with_log_configuration=True)
-        self.context.parallelism = max(1, int(self.master.hydra.sweeper.get("max_batch_size") or 1))
-        callbacks = Callbacks(self.master)
-        callbacks.on_multirun_start(config=self.master, config_name=CONFIG_NAME)
-        # A job elsewhere plans its group again (harness.run.grouping): the plan's points stay here.
-        task = functools.partial(run_group_job, self.context if self.the_plan.in_process
-                                 else dataclasses.replace(self.context, planned={}))
-        self.launcher = Plugins.instance().instantiate_launcher(
-            config=self.master, hydra_context=HydraContext(config_loader=self.hydra.config_loader, callbacks=callbacks),
-            task_function=task)
-        self._callbacks = callbacks
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.master is not None and exc[0] is None:
-            self._callbacks.on_multirun_end(config=self.master, config_name=CONFIG_NAME)
-        restore_gh_from_backup(self._backup)
-
-    def run(self, specs: list[GroupSpec]) -> list[MeasuredGroup | None]:
-        """Each spec's group as one job, `context.parallelism` at a time (Hydra's sweeper batches the
-        same way); what each measured, in order. A job that failed raises its error here."""
-        if self.master is None:  # one point: Hydra's run mode, in this process
-            overrides = [*self._task_overrides(specs[0]), *self._hydra_overrides()]
-            ret = self.hydra.run(CONFIG_NAME, functools.partial(run_group_job, self.context), overrides)
-            return [ret.return_value]
-        measured = []
-        step = self.context.parallelism
-        for start in range(0, len(specs), step):
-            batch = [self._task_overrides(spec) for spec in specs[start:start + step]]
-            returns: list[JobReturn] = self.launcher.launch(batch, initial_job_idx=self.launched)
-            self.launched += len(batch)
-            measured += [ret.return_value for ret in returns]  # a failed job raises its error
-        return measured
-
-    def _task_overrides(self, spec: GroupSpec) -> list[str]:
-        first = spec.members[0][1]
-        return [o for o in first if not is_hydra_override(o)] + [spec.override()]
-
-    def _hydra_overrides(self) -> list[str]:
-        return [o for o in self.the_plan.planned[0].overrides if is_hydra_override(o)]
+        return GroupJobs(dataclasses.replace(self.context, planned={}), [], in_process=False)
 
 
-def run_sweep(the_plan, context: RunContext) -> None:
-    """Every group of the plan as one job each; then the groups judged against each other, a slow one
-    measured again as a further job (harness.run.windows)."""
-    context.planned = {member.point.key: member for group in the_plan.groups for member in group.members}
-    specs, first = [], 0
-    for group in the_plan.groups:
-        specs.append(GroupSpec.of(group, first))
-        first += len(group.members)
-    with GroupLauncher(the_plan, context) as launcher:
-        measured = [done for done in launcher.run(specs) if done is not None]
-
-        def measure_again(window: MeasuredGroup) -> MeasuredGroup:
-            again = tuple(sorted(window.to_write))
-            return launcher.run([GroupSpec.of(PlannedGroup(window.group_id, window.timed), again=again)])[0]
-
-        windows.recheck(measured, measure_again)
+def run_jobs(the_plan, context: RunContext) -> None:
+    """The plan's groups as Hydra jobs (module docstring). Hydra composes the first job's overrides: the
+    sweep's config (where the sweeper and the launcher come from) or the single point's, in the mode the
+    plan chose (--run beside a preset's hydra.mode=MULTIRUN runs one point, as planned)."""
+    mode = "-m" if the_plan.multirun else "hydra.mode=RUN"
+    sys.argv[1:] = [mode, *the_plan.planned[0].overrides] if the_plan.multirun else [*the_plan.planned[0].overrides, mode]
+    hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")(GroupJobs.of(the_plan, context))()

@@ -36,26 +36,31 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from harness.analysis.analytic import weight_bytes
 from harness.config import Point, register_schemas
 from harness.config.paths import config_dir
 from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, output_folder, safe_name, validate_run
-from harness.measure.memory import shortfall
+from harness.measure.memory import available_bytes, shortfall
 from harness.measure.decoding import not_run
-from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, PASS_THROUGH_FLAGS, RUN_FLAGS, VALUE_FLAGS,  # noqa: F401
-                                      check_flags, check_hydra_keys, check_output_settings, check_point_options,
-                                      compose_config, composition_error, hydra_order, parse_overrides)
+from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, OWN_ARGUMENT_FLAGS, PASS_THROUGH_FLAGS,  # noqa: F401
+                                      RUN_FLAGS, check_flag_values, check_flags, check_hydra_keys, check_point_options,
+                                      check_output_settings, compose_config, composition_error, hydra_order,
+                                      parse_overrides, split_flags)
+from harness.run.catalog import strategy_class
+from harness.run.effect import check_accuracy_selection, check_checkpoint_shape
 from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
 from harness.run.variants import variant_of
 from harness.serve.checks import check_serving_config, check_serving_fits
 from harness.store.columns import SCHEMA
+from strategies.base import StrategyOptionError
 
 CONFIG_DIR = str(config_dir())
 GPUS_RESOLVER = "harness_gpus"  # ${harness_gpus:${device}} in conf/hydra/launcher/*.yaml: GPUs a job asks for
 # Launchers whose jobs run on other hosts: a job checks its device and free memory there (harness.run.app).
 REMOTE_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
-BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"  # runs every job in this process
+IN_PROCESS_LAUNCHER = "basic"  # the hydra/launcher option (Hydra's default) that runs every job in this process
 RUN_ID_RESOLVER = "harness_run_id"  # ${harness_run_id:} in conf/config.yaml's hydra.run.dir and sweep.dir
 
 
@@ -95,6 +100,7 @@ class Plan:
     planned: list[PlannedPoint]  # every point, in Hydra's order
     groups: list = field(default_factory=list)  # harness.run.grouping.PlannedGroup, in measuring order
     in_process: bool = True  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
+    launcher: str | None = None  # the launcher's class (hydra.launcher._target_); its module logs each job launched
 
     @property
     def points(self) -> list[Point]:
@@ -111,17 +117,16 @@ def needs_preflight(argv: list[str]) -> bool:
     return not any(arg.split("=", 1)[0] in PASS_THROUGH_FLAGS for arg in argv)
 
 
-def check_printed_config(argv: list[str]) -> None:
-    """`--cfg job --resolve` prints the config with its interpolations resolved: ConfigError in one line,
-    as for a run, for one that does not resolve (Hydra's own answer is a traceback)."""
-    if "--resolve" not in argv:
-        return
-    register_schemas()
-    flag_values = [i + 1 for i, arg in enumerate(argv) if arg in VALUE_FLAGS]  # `--cfg job`: job is no override
-    overrides = [arg for i, arg in enumerate(argv) if not arg.startswith("-") and i not in flag_values]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        compose_config([o.input_line for o in parse_overrides(parser, overrides) if not o.is_sweep_override()], with_hydra=True)
+def check_shown_config(argv: list[str], cuda_available) -> None:
+    """A command line with Hydra's own flags (--cfg job, --info, --help, ...): the config they print is
+    composed from its overrides, so those are planned first as a run of them would be (the same one-line
+    ConfigError, a value refused or coerced included): what a user inspects is what the runner would
+    run. Flags that compose no config of these overrides (--version, --shell-completion, whose
+    arguments are not overrides) are left to Hydra."""
+    check_flag_values(argv)
+    flags, overrides = split_flags(argv)
+    if overrides and not any(flag.split("=", 1)[0] in OWN_ARGUMENT_FLAGS for flag in flags):
+        plan([*(flag for flag in flags if flag in MULTIRUN_FLAGS + RUN_FLAGS), *overrides], cuda_available)
 
 
 def plan(argv: list[str], cuda_available) -> Plan:
@@ -129,24 +134,50 @@ def plan(argv: list[str], cuda_available) -> Plan:
 
     Raises ConfigError with one line naming the key and what is allowed.
     """
+    command, planned = _planned(argv, cuda_available)
+    check_accuracy_selection(planned)
+    first = planned[0]
+    if first.config.search != "none" and len(planned) > 1:
+        raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
+                                    "model and ctx (no lists), or search=none for a sweep")
+    if not command.multirun and first.does_not_fit is not None:
+        key, smaller = memory_key(first.point)
+        raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller {smaller}")
+    groups = form_groups(planned, str(first.config.interleave), int(first.config.repeats), first.point.seed)
+    return Plan(multirun=command.multirun, planned=planned, groups=groups, in_process=command.in_process,
+                launcher=command.launcher)
+
+
+def _planned(argv: list[str], cuda_available) -> tuple["_CommandLine", list[PlannedPoint]]:
+    """The command line and each of its points, composed, validated and resolved."""
     register_schemas()
     check_flags(argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
         planned = [_plan_point(overrides, command, cuda_available) for overrides in command.point_overrides]
     _check_distinct(planned)
-    first = planned[0]
-    if first.config.search != "none" and len(planned) > 1:
-        raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
-                                    "model and ctx (no lists), or search=none for a sweep")
-    if not command.multirun and first.does_not_fit is not None:
-        key = _largest_size(first.point)
-        key = key if key.startswith("strategy.") and first.point.ctx + first.point.decode_tokens < \
-            first.point.strategy.strategy_options[key.removeprefix("strategy.")] else "model"  # an option past the sequence
-        raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller "
-                               f"{key if key != 'model' else 'model, batch or ctx'}")
-    groups = form_groups(planned, str(first.config.interleave), int(first.config.repeats), first.point.seed)
-    return Plan(multirun=command.multirun, planned=planned, groups=groups, in_process=command.in_process)
+    return command, planned
+
+
+def memory_key(point) -> tuple[str, str]:
+    """The key a point that cannot fit in its memory is refused on, and what to choose smaller: the
+    model where its weights alone take that memory; else a strategy option that sizes the cache apart
+    from the sequence (strategies.base.Strategy.cache_allocation_options past it, the largest; its
+    cache_cap_option below it); else the largest of batch, ctx and decode_tokens."""
+    have = available_bytes(point.device)
+    have = min(have, point.memory_limit_bytes) if point.memory_limit_bytes is not None else have
+    weights = weight_bytes(point.model, point.dtype)
+    if weights >= have:
+        return "model", f"model (its weights alone need ~{weights / 2**20:,.1f} MiB)"
+    cls, options = strategy_class(point.strategy.strategy_class), point.strategy.strategy_options
+    past = {name: options[name] for name in cls.cache_allocation_options
+            if isinstance(options.get(name), int) and options[name] > point.max_len}
+    cap = cls.cache_cap_option
+    option = max(past, key=past.get) if past else cap if cap and options.get(cap, point.max_len) < point.max_len else None
+    if option is not None:
+        return f"strategy.{option}", f"strategy.{option} or batch"
+    sizes = {"batch": point.batch, "ctx": point.ctx, "decode_tokens": point.decode_tokens}
+    return max(sizes, key=sizes.get), "batch or ctx"
 
 
 def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
@@ -158,7 +189,7 @@ def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
     try:
         members = []
         for key, overrides in spec.members:
-            member = as_member(plan(["-m", *overrides], cuda_available).planned[0], spec.mode, spec.repeat)
+            member = as_member(_planned(["-m", *overrides], cuda_available)[1][0], spec.mode, spec.repeat)
             if member.point.key != key:
                 raise ConfigError(GROUP_KEY, f"{member.point.label()} plans as key {member.point.key} here, not the "
                                              f"sweep's {key}: the job runs other code or config than the sweep")
@@ -177,6 +208,7 @@ class _CommandLine:
     point_overrides: list  # each point's overrides, in Hydra's order
     elsewhere: bool  # a launcher runs the groups' jobs on other hosts
     in_process: bool  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
+    launcher: str | None  # the launcher's class (hydra.launcher._target_)
     as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
 
 
@@ -207,8 +239,9 @@ def _command_line(argv: list[str]) -> _CommandLine:
     expanded = parse_overrides(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
     check_hydra_keys(expanded)
     point_overrides = sweep_points(expanded)
-    in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
-    return _CommandLine(base, multirun, point_overrides, elsewhere, in_process)
+    # Hydra records the option each config group took (hydra.runtime.choices): the launcher's by its name.
+    in_process = not multirun or base.hydra.runtime.choices.get("hydra/launcher") == IN_PROCESS_LAUNCHER
+    return _CommandLine(base, multirun, point_overrides, elsewhere, in_process, launcher_target)
 
 
 def _compose_base(parsed) -> object:
@@ -223,8 +256,17 @@ def _compose_base(parsed) -> object:
         try:
             first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" for o in sweeps]
             return compose_config(plain + first, with_hydra=True)
+        except StrategyOptionError as lacking:  # the sweep's first strategy lacks it: said of that one
+            raise _in_a_sweep(lacking) if any(o.get_key_element() == "strategy" for o in sweeps) else lacking from None
         except (ConfigError, HydraException, StopIteration):
             raise error from None
+
+
+def _in_a_sweep(error: StrategyOptionError) -> ConfigError:
+    """A strategy option that one strategy of a sweep does not take, said of that one, with how to give
+    it to the others: every strategy of a sweep gets every `strategy.*` override."""
+    return ConfigError(error.key, f"{str(error).removeprefix(error.key + ': ')}; a sweep gives every strategy it "
+                                  f"sweeps each strategy.* override: sweep the strategies that take {error.key} apart")
 
 
 def sweep_points(overrides: list) -> list[list[str]]:
@@ -246,7 +288,10 @@ def sweep_points(overrides: list) -> list[list[str]]:
 def _plan_point(overrides: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
     """One point composed (once per point in a sweep), validated and resolved."""
     check_point_options(overrides)
-    cfg = command.base if not command.multirun else compose_config(overrides, with_hydra=True)
+    try:
+        cfg = command.base if not command.multirun else compose_config(overrides, with_hydra=True)
+    except StrategyOptionError as error:  # composed with another strategy of the sweep before
+        raise _in_a_sweep(error) from None
     variant = variant_of(cfg, overrides, lambda listed: compose_config(listed, with_hydra=False), command.as_chosen)
     with open_dict(cfg):  # a point's config is the one Hydra hands its group's job: without Hydra's node
         del cfg["hydra"]
@@ -262,6 +307,7 @@ def _plan_point(overrides: list[str], command: _CommandLine, cuda_available) -> 
         point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
         raise composition_error(error) from None
+    check_checkpoint_shape(overrides, cfg.model, point.model)
     check_point(point)
     if workload is not None:  # its requests against the model's context and the budget (harness.serve.checks)
         check_serving_fits(cfg, point, workload)

@@ -24,6 +24,7 @@ from harness.model import cpu_gemv
 from harness.model.cpu_linear import LinearUnavailable, choose_linear
 from harness.run.catalog import strategy_class
 from harness.run.inputs import accuracy_fits, accuracy_reference, checkpoint_shape, prompt_source
+from harness.run.variants import chosen_of
 from strategies.base import StrategyUnavailable
 
 DEFAULT_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
@@ -56,18 +57,14 @@ def checked_matmul(matmul: str, device: str, dtype: str, batch: int, bias: bool 
 
 
 def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill: str, max_len: int,
-                     cuda_graphs: bool = False) -> StrategyChoice:
+                     cuda_graphs: bool = False, variant: str = "") -> StrategyChoice:
     """The strategy of a point: its class built from the options (which it checks), its capabilities,
     and `auto` resolved. A strategy that cannot run here keeps `auto`: its point becomes a skipped row
-    with the reason when it runs."""
+    with the reason when it runs. `variant`: its name in rows (harness.run.variants; refusals name the option chosen)."""
     if "_target_" not in strategy_cfg:
         raise ConfigError("strategy", "no _target_: pick an option of conf/strategy/ (strategy=<name>)")
     cls = strategy_class(strategy_cfg["_target_"])
-    options = {k: v for k, v in strategy_cfg.items() if k != "_target_"}
-    try:
-        strategy = cls(**options)
-    except TypeError as error:  # an option the class does not take
-        raise ConfigError("strategy", f"{cls.__name__} refused its options: {str(error).splitlines()[0]}") from None
+    strategy = cls.from_options({k: v for k, v in strategy_cfg.items() if k != "_target_"}, chosen_of(variant) or None)
     strategy.check_point(prefill, shape, max_len)
     if cuda_graphs and not cls.graph_capturable:
         raise ConfigError("timing.cuda_graphs", f"{cls.name} cannot be captured in a CUDA graph (its steps allocate "
@@ -108,7 +105,7 @@ def point_from_config(cfg, variant: str = "") -> Point:
     checkpoint_hash = checkpoint_format = None
     if model.checkpoint is not None:  # its shape replaces the preset's (harness.run.inputs)
         model, checkpoint_hash, checkpoint_format = checkpoint_shape(model, dtype, device, max_len)
-    strategy = resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs)
+    strategy = resolve_strategy(strategy_cfg, device, dtype, model, cfg.prefill, max_len, cfg.timing.cuda_graphs, variant)
     strategy = dataclasses.replace(strategy, variant=variant)
     prompt = cfg.get("prompt")
     if prompt is not None and not is_builtin_text(prompt):

@@ -35,6 +35,11 @@ def variant_name(choice: str, options: dict, as_chosen: dict) -> str:
     return f"{choice}({','.join(differing)})" if differing else choice
 
 
+def chosen_of(variant: str) -> str:
+    """The option of the strategy group a variant name (variant_name) starts with; empty for none."""
+    return variant.split("(", 1)[0]
+
+
 def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 

@@ -12,6 +12,9 @@ once, per version.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import pandas as pd
 import pyarrow as pa
 
@@ -54,8 +57,38 @@ def _to_version_3(rows: pd.DataFrame, old: pd.Series) -> None:
 STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3}  # version -> the function bringing its rows to the next version
 
 
+def unreadable_versions(rows: pd.DataFrame) -> pd.Series:
+    """Per row, why its schema_version names no column set this harness knows (null where it does): a
+    version from the future (a newer harness wrote the row: read as today's, its columns would be
+    misread), or one no harness writes (fractional, negative, not a number). Such a row is refused by
+    the loader, named with its file, never relabelled. A row without the column, or null in it, was
+    written before the column existed: version 0."""
+    if "schema_version" not in rows:
+        return pd.Series([None] * len(rows), index=rows.index, dtype=object)
+    return rows["schema_version"].map(_unreadable_version).astype(object)
+
+
+def _unreadable_version(value) -> str | None:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"schema_version {value!r} is not a version number (an integer from 0 to {SCHEMA_VERSION})"
+    whole = math.isfinite(value) and value == int(value)
+    shown = int(value) if whole and abs(value) < 2**63 else f"{value:g}"  # -1 beside null rows reads as -1.0
+    if not whole or value < 0:
+        return f"schema_version {shown} is no version a harness writes (an integer from 0 to {SCHEMA_VERSION})"
+    if value > SCHEMA_VERSION:
+        return (f"schema_version {shown} is newer than this harness reads ({SCHEMA_VERSION}): a newer "
+                "kv-decode-harness wrote it; read it with that version")
+    return None
+
+
 def upgrade(rows: pd.DataFrame) -> pd.DataFrame:
-    """rows, of any versions at once, brought to SCHEMA_VERSION; every schema column present (a copy)."""
+    """rows, of any versions at once, brought to SCHEMA_VERSION; every schema column present (a copy).
+    Every row's version must be readable (unreadable_versions: the loader leaves the others out)."""
+    unreadable = unreadable_versions(rows).dropna()
+    if len(unreadable):
+        raise ValueError(unreadable.iloc[0])
     rows = complete(rows)
     version = pd.to_numeric(rows["schema_version"], errors="coerce").fillna(0).astype(int)
     for step_from in sorted(STEPS):

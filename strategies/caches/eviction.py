@@ -299,6 +299,7 @@ class EvictionStrategy(Strategy):
     exact = False  # dropped tokens move the logits; the harness measures by how much
     graph_capturable = False  # each step's slot is chosen from its data, and the replay log is kept in Python
     backends = BACKENDS
+    cache_cap_option = "budget"  # the cache never holds more
     chunked_prefill = False  # the policy chooses its tokens over the whole prompt, at position 0
 
     def serving_unavailable(self) -> str | None:
@@ -325,15 +326,15 @@ class EvictionStrategy(Strategy):
         lists each with its paper's default), checked by the policy."""
         super().__init__(backend)
         self.policy, self.parameters = policy_of(policy, budget, parameters)
+        if format not in ("", *FORMATS):  # before positions, which depends on it
+            raise StrategyOptionError("format", f"unknown value {format!r}, allowed: '' (the compute dtype), "
+                                                f"{', '.join(FORMATS)}")
         if positions not in POSITIONS:
             raise StrategyOptionError("positions", f"unknown value {positions!r}, allowed: {', '.join(POSITIONS)}")
         if positions == "in_cache" and (not self.policy.ranks_inside_cache or format):
             ranking = [name for name, cls in EvictionPolicy.registered.items() if cls.ranks_inside_cache]
             raise StrategyOptionError("positions", f"in_cache (ranks inside the cache) is defined for policy="
                                                    f"{'|'.join(ranking)} over full-width slots; allowed here: original")
-        if format not in ("", *FORMATS):
-            raise StrategyOptionError("format", f"unknown value {format!r}, allowed: '' (the compute dtype), "
-                                                f"{', '.join(FORMATS)}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise StrategyOptionError("group_size", f"must be an even integer >= 2, got {group_size!r}")
         self.positions, self.format, self.group_size = positions, format, group_size

@@ -63,10 +63,11 @@ class LayerShareStrategy(Strategy):
             raise StrategyOptionError("fraction", f"must be a number in [0, 0.5] (readers alternate with the layers "
                                                   f"they read), got {fraction!r}")
         if layers is not None:
+            if not isinstance(layers, (list, tuple)) or not all(
+                    isinstance(layer, int) and not isinstance(layer, bool) and layer >= 1 for layer in layers):
+                raise StrategyOptionError("layers", f"must be a list of layer indices >= 1, such as [1,3] (layer 0 "
+                                                    f"has none below to read), or null; got {layers!r}")
             layers = list(layers)
-            if not all(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 1 for layer in layers):
-                raise StrategyOptionError("layers", f"must be layer indices >= 1 (layer 0 has none below to read), "
-                                                    f"got {layers!r}")
         self.fraction, self.layers = float(fraction), sorted(set(layers)) if layers is not None else None
 
     def options(self) -> dict:

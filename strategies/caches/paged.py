@@ -314,6 +314,7 @@ class PagedPoolLayerCache:
 class PagedStrategy(Strategy):
     name = "paged"
     backends = BACKENDS
+    cache_allocation_options = ("block_size",)  # a sequence is allocated whole blocks
 
     def __init__(self, backend: str = "auto", block_size: int = 16):
         super().__init__(backend)

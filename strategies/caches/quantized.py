@@ -242,6 +242,7 @@ class QuantizedStrategy(Strategy):
     name = "quantized"
     exact = False  # quantization moves the logits; the harness measures by how much
     backends = BACKENDS
+    cache_allocation_options = ("residual",)  # the full-width window of the recent tokens is allocated whole
 
     def __init__(self, backend: str = "auto", format: str = "int8", group_size: int = 32, key_axis: str = "token",
                  residual: int = 0):

@@ -101,6 +101,7 @@ class StaticFullStrategy(Strategy):
     # Fixed shapes are the layout's reason to exist: one graph for every position. The C kernel is the
     # operator harness_kernels::decode_attention, eager and compiled alike (strategies.caches.cpu_kernel).
     compilable = True
+    cache_allocation_options = ("max_len",)  # every sequence's table is allocated this long
 
     def __init__(self, backend: str = "auto", max_len: int | None = None):
         super().__init__(backend)
