@@ -84,7 +84,7 @@ def test_a_kv_type_the_engine_refuses_at_a_shape_is_a_skipped_row_with_its_reaso
 
 
 def test_a_batch_beyond_the_engines_sequences_is_a_skipped_row(model_file):
-    from strategies.engines.llamacpp_library import load
+    from strategies.engines.artifacts.llamacpp_library import load
 
     limit = int(load().lib.llama_max_parallel_sequences())
     _, row = measure_group(GroupRequest("wide", (point_of(model_file, "contiguous", f"batch={limit + 1}", "ctx=4"),

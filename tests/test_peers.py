@@ -20,7 +20,7 @@ from harness.run.row import build_row
 from harness.model import build_model
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
-from harness.model.gguf_writer import float_gguf
+from strategies.engines.artifacts.gguf_writer import float_gguf
 from tests.conftest import planned_point, refused_by_runner
 from tests.gguf_files import Q, byte_level_vocab, random_weights, write_folder, write_gguf
 

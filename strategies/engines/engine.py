@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 
 from harness.config import CacheLayout, ModelConfig
-from harness.model.gguf_writer import float_gguf
+from strategies.engines.artifacts.gguf_writer import float_gguf
 from strategies.backends import Backend
 from strategies.base import Agreement, Strategy, StrategyOptionError
 

@@ -23,7 +23,7 @@ import torch
 
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.engines.llamacpp_library import PACKAGE, Library, LibraryProblem, load
+from strategies.engines.artifacts.llamacpp_library import PACKAGE, Library, LibraryProblem, load
 from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
 
 # kv_type -> (ggml_type enum value, what it stores). q8_0/q4_0: blocks of 32 with one fp16 scale.

@@ -90,7 +90,7 @@ class OpenVINOStrategy(PeerStrategy):
         return EngineInfo(version=f"OpenVINO {_version()}", kv_type=words, isa=accepted["isa"])
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
-        from strategies.engines.openvino_ir import stateful_model
+        from strategies.engines.artifacts.openvino_ir import stateful_model
 
         if self.kv_type in CRASHES and _version() == "2026.4.1":
             raise StrategyUnavailable(CRASHES[self.kv_type])

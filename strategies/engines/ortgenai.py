@@ -24,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from harness.model.gguf_writer import float_gguf, weights_dir
+from strategies.engines.artifacts.gguf_writer import float_gguf, weights_dir
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
 from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.model.gguf_writer import weights_dir
+from strategies.engines.artifacts.gguf_writer import weights_dir
 from strategies.engines.engine import transformers_model
 
 XML = "openvino_model.xml"
