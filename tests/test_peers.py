@@ -1,5 +1,5 @@
 """Peers (strategies/engines/engine.py): an engine as a member of a group, on a fake engine that runs everywhere
-(tests/plugin/fake_engine.py); the engine's copy of the weights (harness/model/gguf_writer.py) read
+(tests/plugin/fake_engine.py); the engine's copy of the weights (strategies/engines/artifacts/gguf_writer.py) read
 back; a missing wheel as a skipped row naming the pip command; a disagreeing engine as a failed row,
 never a timed one (device=cpu throughout)."""
 from __future__ import annotations
@@ -180,4 +180,5 @@ def test_llamacpp_without_its_wheel_is_a_skipped_row_naming_the_pip_command(monk
     with pytest.raises(StrategyUnavailable, match=r"pip install -e '\.\[peers\]'"):
         strategy.kernel(CPU, torch.float32)
     assert strategy.row_columns() == {"engine": "llama.cpp", "step_granularity": "token", "engine_version": None,
-                                      "engine_kv_type": "q8_0", "engine_isa": None}
+                                      "engine_kv_type": "q8_0", "engine_isa": None,
+                                      "engine_build": None, "engine_build_flags": None}

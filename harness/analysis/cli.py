@@ -130,10 +130,13 @@ def _fields(parent: str) -> list[str]:
 
 
 def cache_layout(strategy, shape):
-    """The layout of the configured strategy for `shape` (the class imported from its `_target_`)."""
+    """The layout of the configured strategy for `shape` (the class imported from its `_target_`); one
+    the strategy cannot store at this shape is refused (its check_layout)."""
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
-        return target_class("strategy._target_", strategy.get("_target_"))(**options).cache_layout(shape)
+        chosen = target_class("strategy._target_", strategy.get("_target_"))(**options)
+        chosen.check_layout(shape)
+        return chosen.cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
     except Exception as error:  # the class refused its options: TypeError for an unknown one, its own checks

@@ -2,7 +2,7 @@
 infrastructure (strategies/engines/engine.py) makes an engine a member of a group, with no engine's wheel.
 
 Its session reads the engine's copy of the weights (PeerStrategy.engine_weights: the float GGUF file
-harness.model.gguf_writer writes) into a decoder of its own and decodes with the contiguous cache, so it
+strategies.engines.artifacts.gguf_writer writes) into a decoder of its own and decodes with the contiguous cache, so it
 runs the harness's numbers through the path a real engine's weights take. kv_type `f32` is its full
 precision (agreement checked); `noisy` adds a planted error to every logit, which the agreement check
 must catch; `missing` (FakeMissingEngine) needs a package no one installs: a skipped row.

@@ -1,9 +1,12 @@
-"""llama.cpp's library as the `llama-cpp-py-sync` wheel ships it, loaded once per process.
+"""llama.cpp's library, loaded once per process: this machine's own build where one is made
+(strategies.engines.artifacts.llamacpp_build, preferred), else the `llama-cpp-py-sync` wheel's.
 
 The wheel holds libllama and libggml* built from a tagged llama.cpp commit, and CFFI declarations of
-llama.h (its `_cffi_bindings.ffi`); this module opens the library through those declarations and keeps
-what a session needs: the library, its ffi, the engine's version, its system info, and the engine's
-log lines (llama.cpp writes them to stderr otherwise; a refused context's reason is among them).
+llama.h (its `_cffi_bindings.ffi`); a build made here is one extension module whose CFFI declarations
+were compiled against its own llama.h. Either way this module keeps what a session needs: the library,
+its ffi, the engine's version, its system info, which build it is and with what, and the engine's log
+lines with their levels (llama.cpp writes them to stderr otherwise; a refused model's or context's
+reason is among them, at ERROR: `said_since`).
 
 The wheel's libraries ask for glibc 2.38 for one reason only: gcc 13 compiled their strtol, strtoul,
 strtoull and sscanf calls to C23's `__isoc23_*` entry points (which also accept a 0b prefix). On an older
@@ -18,15 +21,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 import shutil
 import struct
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.files import publish
 from harness.kernels.extension import cache_dir
 
 PACKAGE = "llama_cpp_py_sync"
+# Which build a process runs: auto (this machine's own where one is complete, else the wheel) or wheel
+# (the wheel's even where a build made here exists: to measure the two against each other, to test it)
+BUILD_ENV, BUILD_CHOICES = "HARNESS_LLAMACPP_BUILD", ("auto", "wheel")
 NEEDED_GLIBC = b"GLIBC_2.38"  # the version need of the wheel's __isoc23_* calls
 SHIM_SOURCE = """#include <stdlib.h>
 #include <stdio.h>
@@ -37,6 +45,7 @@ unsigned long long __isoc23_strtoull(const char *s, char **e, int b) { return st
 long long __isoc23_strtoll(const char *s, char **e, int b) { return strtoll(s, e, b); }
 int __isoc23_sscanf(const char *s, const char *f, ...) { va_list a; va_start(a, f); int r = vsscanf(s, f, a); va_end(a); return r; }
 """
+SHIM = "libisoc23.so"  # the shim's library in the copy's folder, built last: its presence marks a whole copy
 SHT_GNU_VERNEED, VER_FLG_WEAK = 0x6FFFFFFE, 0x2
 
 
@@ -44,15 +53,22 @@ class LibraryProblem(Exception):
     """The library cannot be loaded here; the message is the loader's or the engine's."""
 
 
+ERROR_LEVEL, CONTINUED = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT (the previous line's level)
+KEPT_LINES = 200  # the engine's latest log lines kept
+
+
 @dataclass
 class Library:
     """The loaded engine."""
 
     lib: object  # the CFFI library: llama.h's functions
-    ffi: object  # the wheel's CFFI declarations
-    version: str  # llama.cpp's release tag and commit, as the wheel records its build
+    ffi: object  # its CFFI declarations
+    version: str  # llama.cpp's release tag and commit, as its build records them
     system_info: str  # llama_print_system_info(): the backends and the CPU features the library was built with
-    log: list[str] = field(default_factory=list)  # the engine's log lines, latest last (bounded)
+    build: str  # WHEEL or BUILT_HERE (strategies.engines.engine)
+    build_flags: str  # what the build was made with: its cmake flags and compilers, or what the wheel says of its own
+    log: list[tuple[int, int, str]] = field(default_factory=list)  # (line number, level, text) of the engine's latest lines
+    logged: int = 0  # lines logged so far: a mark for said_since
     _callback: object = None  # keeps the CFFI log callback alive
 
     @property
@@ -62,14 +78,67 @@ class Library:
         flags = [item.split("=")[0].strip() for item in cpu.split("|") if item.strip().endswith("= 1")]
         return " ".join(flag for flag in flags if flag not in ("LLAMAFILE", "OPENMP", "REPACK", "KLEIDIAI"))
 
-    def last_words(self, lines: int = 1) -> str:
-        """The engine's last log lines (its refusal's reason is the last), for a skipped or failed row."""
-        return " / ".join(line.strip() for line in self.log[-lines:] if line.strip())
+    def keep(self, level: int, text: str) -> None:
+        """One log line of the engine's (a continued line keeps its predecessor's level)."""
+        if level == CONTINUED and self.log:
+            level = self.log[-1][1]
+        self.log.append((self.logged, level, text))
+        self.logged += 1
+        del self.log[:-KEPT_LINES]
+
+    def said_since(self, mark: int) -> str:
+        """What the engine logged at ERROR since `mark` (a value of `logged`), its lines in order: the
+        reason it gave for refusing a model or a context; its last line where it logged no error."""
+        lines = [(level, text) for number, level, text in self.log if number >= mark]
+        errors = [text for level, text in lines if level >= ERROR_LEVEL and level != CONTINUED]
+        return "\n".join(errors or [text for _, text in lines[-1:]])
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> Library:
-    """The engine, loaded once (LibraryProblem with the loader's message where it cannot be)."""
+    """The engine, loaded once: this machine's build where a complete one is there (unless BUILD_ENV says
+    wheel), else the wheel's (LibraryProblem with the loader's message where it cannot be)."""
+    from strategies.engines.artifacts import llamacpp_build
+
+    chosen = os.environ.get(BUILD_ENV, "auto")
+    if chosen not in BUILD_CHOICES:
+        raise LibraryProblem(f"{BUILD_ENV}={chosen!r}: allowed: {', '.join(BUILD_CHOICES)}")
+    folder = llamacpp_build.built() if chosen == "auto" else None
+    library = _native(folder) if folder is not None else _wheel()
+    ffi, lib = library.ffi, library.lib
+
+    @ffi.callback("void(enum ggml_log_level, const char *, void *)")
+    def keep(level, text, user_data):
+        library.keep(int(level), ffi.string(text).decode(errors="replace"))
+
+    library._callback = keep
+    lib.llama_log_set(keep, ffi.NULL)
+    lib.llama_backend_init()
+    library.system_info = ffi.string(lib.llama_print_system_info()).decode()
+    return library
+
+
+def _native(folder: Path) -> Library:
+    """The extension module of this machine's build in `folder` (its stamp checked by the caller)."""
+    from strategies.engines.artifacts import llamacpp_build
+    from strategies.engines.engine import BUILT_HERE
+
+    spec = importlib.util.spec_from_file_location(llamacpp_build.MODULE, folder / llamacpp_build.LIBRARY)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise LibraryProblem(f"this machine's build in {folder} does not load: {error}") from None
+    info = llamacpp_build.build_info(folder)
+    flags = [flag.removeprefix("-D") for flag in info["cmake_flags"] if "GGML" in flag or "BUILD_TYPE" in flag]
+    return Library(lib=module.lib, ffi=module.ffi, version=info["version"], system_info="", build=BUILT_HERE,
+                   build_flags=f"{' '.join(flags)}; {info['cxx']}")
+
+
+def _wheel() -> Library:
+    """The wheel's libraries, through a glibc-compatible copy where this glibc is older than they ask."""
+    from strategies.engines.engine import WHEEL
+
     spec = importlib.util.find_spec(PACKAGE)
     folder = Path(spec.submodule_search_locations[0])
     from llama_cpp_py_sync import _version
@@ -86,39 +155,28 @@ def load() -> Library:
         except (OSError, subprocess.CalledProcessError) as again:
             raise LibraryProblem(f"{error}; its glibc-compatible copy failed too: {again}") from None
         version += f", its {NEEDED_GLIBC.decode()} C23 strto*/sscanf entry points forwarded to this glibc's"
-    library = Library(lib=lib, ffi=ffi, version=version, system_info="")
-
-    @ffi.callback("void(enum ggml_log_level, const char *, void *)")
-    def keep(level, text, user_data):
-        library.log.append(ffi.string(text).decode(errors="replace"))
-        del library.log[:-200]
-
-    library._callback = keep
-    lib.llama_log_set(keep, ffi.NULL)
-    lib.llama_backend_init()
-    library.system_info = ffi.string(lib.llama_print_system_info()).decode()
-    return library
+    return Library(lib=lib, ffi=ffi, version=version, system_info="", build=WHEEL,
+                   build_flags=f"{PACKAGE} {_version.__version__} as published (its flags unrecorded; its ISA: engine_isa)")
 
 
 def glibc_compatible_copy(folder: Path) -> Path:
     """libllama.so of a copy of the wheel's libraries that loads on glibc < 2.38 (module docstring), made
-    once under the kernel cache's folder; the shim it needs is loaded into the process here."""
+    once under the kernel cache's folder (harness.files.publish); the shim it needs is loaded into the
+    process here."""
     target = cache_dir() / "llamacpp-glibc-compat" / folder.parent.name / _stamp(folder)
-    shim = target / "libisoc23.so"
-    if not shim.exists():
-        partial = target.with_name(target.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+
+    def copy(building: Path) -> None:
         for library in folder.glob("lib*.so*"):
-            copied = partial / library.name
+            copied = building / library.name
             shutil.copyfile(library, copied)
             weaken_version_need(copied, NEEDED_GLIBC)
-        (partial / "isoc23.c").write_text(SHIM_SOURCE)
-        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(partial / "libisoc23.so"), str(partial / "isoc23.c")],
+        (building / "isoc23.c").write_text(SHIM_SOURCE)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(building / SHIM), str(building / "isoc23.c")],
                        check=True, capture_output=True)
-        shutil.rmtree(target, ignore_errors=True)
-        partial.rename(target)
-    ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)  # found first for the copies' __isoc23_* references
+
+    publish(target, copy, "copying llama.cpp's wheel for this glibc", complete=lambda path: (path / SHIM).exists(),
+            folder=True)
+    ctypes.CDLL(str(target / SHIM), mode=ctypes.RTLD_GLOBAL)  # found first for the copies' __isoc23_* references
     return target / "libllama.so"
 
 
