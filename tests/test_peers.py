@@ -102,6 +102,7 @@ def test_a_peer_is_a_member_of_the_group_with_its_engine_columns(group):
     assert peer["ratio_ci_low"] <= peer["ratio_to_reference"] <= peer["ratio_ci_high"]
     assert (peer["engine"], peer["engine_version"], peer["engine_kv_type"], peer["engine_isa"],
             peer["step_granularity"]) == ("fake", "fake 1.0", "f32", "the harness's", "token")
+    assert (peer["engine_build"], peer["engine_build_flags"]) == ("built here", "the harness's decoder behind another object")
     assert peer["kernel"] == "fake engine (f32 KV)"
     assert ours.get("engine") is None and ours["agreement_logit_rel"] is None
     # the same weights, through the engine's copy: the agreement check measured it, within bound

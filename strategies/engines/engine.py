@@ -75,8 +75,8 @@ class EngineInfo:
     version: str  # the engine's version string (its library's, e.g. llama.cpp b11739 0ce8cd1)
     kv_type: str  # the KV type in the engine's own words (f16, q8_0, u8 by channel)
     isa: str  # the instruction set its library was built for, from its own system info (AVX2, AVX512F)
-    build: str = WHEEL  # WHEEL (the package as pip installed it, named) or BUILT_HERE (made on this machine)
-    build_flags: str = ""  # what the build was made with: for one made here its flags and compiler, for a wheel what it says of its own build
+    build: str  # WHEEL (its package as published) or BUILT_HERE (made on this machine)
+    build_flags: str  # what the build was made with: for one made here its flags and compiler, for a wheel what it says of its own build
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from harness.model import build_model
 from strategies.base import DecodeSession
 from strategies.backends import StrategyUnavailable
 from strategies.caches.contiguous import ContiguousStrategy
-from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend
+from strategies.engines.engine import BUILT_HERE, EngineInfo, KVType, PeerStrategy, engine_backend
 
 
 class FakeEngineSession(DecodeSession):
@@ -54,7 +54,8 @@ class FakeEngine(PeerStrategy):
     max_batch = 8  # a batch the "engine" refuses beyond this: a skipped row with its reason
 
     def engine_info(self) -> EngineInfo:
-        return EngineInfo(version="fake 1.0", kv_type=self.kv_types[self.kv_type].word, isa="the harness's")
+        return EngineInfo(version="fake 1.0", kv_type=self.kv_types[self.kv_type].word, isa="the harness's",
+                          build=BUILT_HERE, build_flags="the harness's decoder behind another object")
 
     def new_session(self, model, batch, max_len):
         if batch > self.max_batch:

@@ -169,7 +169,8 @@ def build(sdist: Path | None = None, jobs: int | None = None) -> Path:
 
 def _make(target: Path, key: str, sdist: Path | None, jobs: int) -> None:
     """Fetch, configure, compile and link into `target` (an empty folder of this process's), then stamp it."""
-    work = target / "work"
+    work = target / "work"  # the sdist, its source and the objects: removed once the module is linked
+    work.mkdir()
     source = _unpack(sdist or _download(work / "sdist"), work / "source")
     objects = work / "build"
     _run(["cmake", "-S", str(source), "-B", str(objects), *CMAKE_FLAGS], "cmake's configure step")

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from harness.files import publish
 from harness.kernels.extension import cache_dir
+from strategies.engines.artifacts import llamacpp_build
+from strategies.engines.engine import BUILT_HERE, WHEEL
 
 PACKAGE = "llama_cpp_py_sync"
 # Which build a process runs: auto (this machine's own where one is complete, else the wheel) or wheel
@@ -53,8 +55,8 @@ class LibraryProblem(Exception):
     """The library cannot be loaded here; the message is the loader's or the engine's."""
 
 
-ERROR_LEVEL, CONTINUED = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT (the previous line's level)
-KEPT_LINES = 200  # the engine's latest log lines kept
+ERROR_LEVEL, CONTINUED = 4, 5  # ggml_log_level: GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT (goes on with the message before)
+KEPT_LINES = 200  # the engine's latest log messages kept
 
 
 @dataclass
@@ -67,8 +69,8 @@ class Library:
     system_info: str  # llama_print_system_info(): the backends and the CPU features the library was built with
     build: str  # WHEEL or BUILT_HERE (strategies.engines.engine)
     build_flags: str  # what the build was made with: its cmake flags and compilers, or what the wheel says of its own
-    log: list[tuple[int, int, str]] = field(default_factory=list)  # (line number, level, text) of the engine's latest lines
-    logged: int = 0  # lines logged so far: a mark for said_since
+    log: list[tuple[int, int, str]] = field(default_factory=list)  # (number, level, text) of the engine's latest messages
+    logged: int = 0  # messages logged so far: a mark for said_since
     _callback: object = None  # keeps the CFFI log callback alive
 
     @property
@@ -79,27 +81,27 @@ class Library:
         return " ".join(flag for flag in flags if flag not in ("LLAMAFILE", "OPENMP", "REPACK", "KLEIDIAI"))
 
     def keep(self, level: int, text: str) -> None:
-        """One log line of the engine's (a continued line keeps its predecessor's level)."""
+        """One log message of the engine's; a continued one (CONTINUED) is added to the message before it."""
         if level == CONTINUED and self.log:
-            level = self.log[-1][1]
+            number, level, before = self.log[-1]
+            self.log[-1] = (number, level, before + text)
+            return
         self.log.append((self.logged, level, text))
         self.logged += 1
         del self.log[:-KEPT_LINES]
 
     def said_since(self, mark: int) -> str:
-        """What the engine logged at ERROR since `mark` (a value of `logged`), its lines in order: the
-        reason it gave for refusing a model or a context; its last line where it logged no error."""
-        lines = [(level, text) for number, level, text in self.log if number >= mark]
-        errors = [text for level, text in lines if level >= ERROR_LEVEL and level != CONTINUED]
-        return "\n".join(errors or [text for _, text in lines[-1:]])
+        """What the engine logged at ERROR since `mark` (a value of `logged`), its messages in order: the
+        reason it gave for refusing a model or a context; its last message where it logged no error."""
+        messages = [(level, text) for number, level, text in self.log if number >= mark]
+        errors = [text for level, text in messages if ERROR_LEVEL <= level < CONTINUED]
+        return "".join(errors or [text for _, text in messages[-1:]])
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> Library:
     """The engine, loaded once: this machine's build where a complete one is there (unless BUILD_ENV says
     wheel), else the wheel's (LibraryProblem with the loader's message where it cannot be)."""
-    from strategies.engines.artifacts import llamacpp_build
-
     chosen = os.environ.get(BUILD_ENV, "auto")
     if chosen not in BUILD_CHOICES:
         raise LibraryProblem(f"{BUILD_ENV}={chosen!r}: allowed: {', '.join(BUILD_CHOICES)}")
@@ -120,9 +122,6 @@ def load() -> Library:
 
 def _native(folder: Path) -> Library:
     """The extension module of this machine's build in `folder` (its stamp checked by the caller)."""
-    from strategies.engines.artifacts import llamacpp_build
-    from strategies.engines.engine import BUILT_HERE
-
     spec = importlib.util.spec_from_file_location(llamacpp_build.MODULE, folder / llamacpp_build.LIBRARY)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -137,8 +136,6 @@ def _native(folder: Path) -> Library:
 
 def _wheel() -> Library:
     """The wheel's libraries, through a glibc-compatible copy where this glibc is older than they ask."""
-    from strategies.engines.engine import WHEEL
-
     spec = importlib.util.find_spec(PACKAGE)
     folder = Path(spec.submodule_search_locations[0])
     from llama_cpp_py_sync import _version
