@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from harness.files import exclusive, lock_of
 from harness.kernels import cache
 from strategies.engines.artifacts import llamacpp_build, llamacpp_library
 from strategies.engines.artifacts.llamacpp_build import BuildError
@@ -84,10 +85,27 @@ def test_a_wrong_build_choice_is_the_members_skipped_reason(monkeypatch):
     monkeypatch.setenv(llamacpp_library.BUILD_ENV, "native")
     llamacpp_library.load.cache_clear()
     try:
-        with pytest.raises(llamacpp_library.LibraryProblem, match="HARNESS_LLAMACPP_BUILD='native': allowed: auto, wheel"):
+        with pytest.raises(llamacpp_library.LibraryProblem, match="HARNESS_LLAMACPP_BUILD='native': allowed: auto, wheel, background"):
             llamacpp_library.load()
     finally:
         llamacpp_library.load.cache_clear()
+
+
+def test_a_background_build_is_started_once_at_the_lowest_priority(tmp_path, monkeypatch):
+    """HARNESS_LLAMACPP_BUILD=background: the build command in a session of its own, its lines in a log
+    beside the builds; none started while another process holds the build's lock (no compiler runs)."""
+    monkeypatch.setenv("HARNESS_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp_build, "build_key", lambda: "0123456789abcdef")  # runs no compiler
+    started = []
+    monkeypatch.setattr(llamacpp_build.subprocess, "Popen", lambda command, **how: started.append((command, how)))
+    folder = llamacpp_build.build_folder()
+    with exclusive(lock_of(folder), "building llama.cpp for this machine"):
+        assert llamacpp_build.start_in_background() is None and started == []
+    log = llamacpp_build.start_in_background()
+    assert log == folder.with_name(f".{folder.name}.log") and log.exists()
+    [(command, how)] = started
+    assert command[1:] == ["-m", "strategies.engines.artifacts.llamacpp_build", "--jobs", "1"]
+    assert how["start_new_session"] and how["preexec_fn"].args == (19,)
 
 
 needs_build = pytest.mark.skipif(llamacpp_build.built() is None or importlib.util.find_spec("llama_cpp_py_sync") is None,

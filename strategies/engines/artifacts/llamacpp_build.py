@@ -23,13 +23,17 @@ kept, like the harness's kernels (harness.kernels.cache), in a folder of the ker
 build key (the sdist's checksum, the flags, the compilers' versions, the CPU, Python and CFFI:
 `build_key`), published whole under the one lock (harness.files.publish) and stamped with the module's
 size and sha256, which are checked before it is loaded: a damaged build is never loaded, and this
-command builds it again. It is not built in the background of a first use: a compile on the cores a
-measurement is timing would make the measurement's noise.
+command builds it again. With HARNESS_LLAMACPP_BUILD=background, a first use where none is built starts
+this command in the background (`start_in_background`: one compile job at the lowest priority) and runs
+the wheel until the build is complete; it is not the default, since a compile on the cores a measurement
+is timing makes the measurement's noise.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -42,7 +46,7 @@ import sysconfig
 import tarfile
 from pathlib import Path
 
-from harness.files import publish
+from harness.files import lock_of, publish
 from harness.kernels import cache
 from harness.kernels.extension import _cpu_identity, _compiler_version, cache_dir
 
@@ -60,6 +64,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=
 # The module's link: llama.cpp's static libraries' symbols kept inside it (never another library's to
 # resolve against, nor resolved against another's: a wheel's libllama loaded in the same process), OpenMP.
 LINK_FLAGS = ("-Wl,--exclude-libs,ALL", "-fopenmp", "-lpthread")
+COMMAND = "strategies.engines.artifacts.llamacpp_build"  # this module, as `python -m` runs it
 MODULE = "_harness_llama"  # the extension module's name (its PyInit_ symbol)
 LIBRARY = f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"  # the one file a build holds, stamped
 INFO = "build-info.json"  # what the build was made with, for the rows
@@ -165,6 +170,24 @@ def build(sdist: Path | None = None, jobs: int | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise BuildError(f"llama.cpp's build in {folder.parent} failed: {error}") from None
     return folder
+
+
+def start_in_background() -> Path | None:
+    """Start this machine's build in a process of its own (`python -m` this module `--jobs 1`, at the
+    lowest CPU priority, its lines in `.<folder>.log` beside the builds), unless one is building now; the log's path,
+    or None where another process holds the build's lock. The caller runs the wheel meanwhile."""
+    folder = build_folder()
+    with open(lock_of(folder), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a build is under way
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    log = folder.with_name(f".{folder.name}.log")
+    with open(log, "ab") as out:
+        subprocess.Popen([sys.executable, "-m", COMMAND, "--jobs", "1"], stdin=subprocess.DEVNULL, stdout=out,
+                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=functools.partial(os.nice, 19))
+    return log
 
 
 def _make(target: Path, key: str, sdist: Path | None, jobs: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import logging
 import os
 import shutil
 import struct
@@ -33,10 +34,12 @@ from harness.kernels.extension import cache_dir
 from strategies.engines.artifacts import llamacpp_build
 from strategies.engines.engine import BUILT_HERE, WHEEL
 
+logger = logging.getLogger("harness")
 PACKAGE = "llama_cpp_py_sync"
-# Which build a process runs: auto (this machine's own where one is complete, else the wheel) or wheel
-# (the wheel's even where a build made here exists: to measure the two against each other, to test it)
-BUILD_ENV, BUILD_CHOICES = "HARNESS_LLAMACPP_BUILD", ("auto", "wheel")
+# Which build a process runs: auto (this machine's own where one is complete, else the wheel), wheel
+# (the wheel's even where a build made here exists: to measure the two against each other, to test it),
+# or background (auto, and where none is built, its build started in the background: the wheel until then)
+BUILD_ENV, BUILD_CHOICES = "HARNESS_LLAMACPP_BUILD", ("auto", "wheel", "background")
 NEEDED_GLIBC = b"GLIBC_2.38"  # the version need of the wheel's __isoc23_* calls
 SHIM_SOURCE = """#include <stdlib.h>
 #include <stdio.h>
@@ -101,11 +104,16 @@ class Library:
 @functools.lru_cache(maxsize=1)
 def load() -> Library:
     """The engine, loaded once: this machine's build where a complete one is there (unless BUILD_ENV says
-    wheel), else the wheel's (LibraryProblem with the loader's message where it cannot be)."""
+    wheel; with background, one is started where none is), else the wheel's (LibraryProblem with the
+    loader's message where it cannot be)."""
     chosen = os.environ.get(BUILD_ENV, "auto")
     if chosen not in BUILD_CHOICES:
         raise LibraryProblem(f"{BUILD_ENV}={chosen!r}: allowed: {', '.join(BUILD_CHOICES)}")
-    folder = llamacpp_build.built() if chosen == "auto" else None
+    folder = llamacpp_build.built() if chosen != "wheel" else None
+    if folder is None and chosen == "background":
+        log = llamacpp_build.start_in_background()
+        logger.info(f"llama.cpp runs the wheel while its build for this machine is made in the background ({log})"
+                    if log else "llama.cpp runs the wheel while another process builds it for this machine")
     library = _native(folder) if folder is not None else _wheel()
     ffi, lib = library.ffi, library.lib
 
