@@ -10,6 +10,7 @@ Two objects per strategy:
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
@@ -126,8 +127,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]  # option name under conf/strategy/ and the row's `strategy`
     caches_kv: ClassVar[bool] = True  # stores K/V between steps (False only for the recompute reference)
-    exact: ClassVar[bool] = True  # proven (tests/test_exactness.py) to generate the no-cache reference's tokens
-    reference: ClassVar[bool] = False  # the recompute-everything strategy every other one is compared with
+    exact: ClassVar[bool] = True  # proven (tests/test_exactness.py) to generate the recompute reference's tokens
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types it can run on
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")  # compute dtypes it can run in
     # Its attention kernels, in preference order, each with what it needs (strategies.backends): what
@@ -158,6 +158,13 @@ class Strategy(ABC):
     def declared(cls, name: str) -> Backend:
         """The backend of that name."""
         return next(backend for backend in cls.backends if backend.name == name)
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """Every option `__init__` takes, `backend` included, and its default: its keyword arguments (a
+        class taking more through **kwargs, as eviction's policies' parameters, adds them)."""
+        signature = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in signature if p.name != "self" and p.kind == p.POSITIONAL_OR_KEYWORD}
 
     def options(self) -> dict:
         """The options besides `backend` this instance was built with (recorded in the point's key)."""
