@@ -208,6 +208,11 @@ class Strategy(ABC):
         the analytic model; None when it stores none."""
         return CONTIGUOUS if self.caches_kv else None
 
+    def check_layout(self, shape: ModelConfig) -> None:
+        """Refuse, with StrategyOptionError, a shape this strategy cannot store K/V for at all (an engine's
+        KV type whose blocks do not divide head_dim): the analytic model's check before it gives figures.
+        A run does not call it: there the same shape makes a skipped row with the engine's own words."""
+
     def check_point(self, prefill: str, shape: ModelConfig, max_len: int) -> None:
         """Refuse, with StrategyOptionError, a point this strategy cannot mean anything at (checked
         before anything runs). Device and dtype are not refused here: they make a skipped row."""

@@ -38,7 +38,8 @@ def test_without_its_wheel_it_is_a_skipped_row_naming_the_pip_command(monkeypatc
     with pytest.raises(StrategyUnavailable, match=r"pip install -e '\.\[peers\]'"):
         strategy.kernel(CPU, torch.float32)
     assert strategy.row_columns() == {"engine": "OpenVINO", "step_granularity": "token", "engine_version": None,
-                                      "engine_kv_type": "u8", "engine_isa": None}
+                                      "engine_kv_type": "u8", "engine_isa": None,
+                                      "engine_build": None, "engine_build_flags": None}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Peers (strategies/engines/engine.py): an engine as a member of a group, on a fake engine that runs everywhere
-(tests/plugin/fake_engine.py); the engine's copy of the weights (harness/model/gguf_writer.py) read
+(tests/plugin/fake_engine.py); the engine's copy of the weights (strategies/engines/artifacts/gguf_writer.py) read
 back; a missing wheel as a skipped row naming the pip command; a disagreeing engine as a failed row,
 never a timed one (device=cpu throughout)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from harness.run.row import build_row
 from harness.model import build_model
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
-from harness.model.gguf_writer import float_gguf
+from strategies.engines.artifacts.gguf_writer import float_gguf
 from tests.conftest import planned_point, refused_by_runner
 from tests.gguf_files import Q, byte_level_vocab, random_weights, write_folder, write_gguf
 
@@ -102,6 +102,7 @@ def test_a_peer_is_a_member_of_the_group_with_its_engine_columns(group):
     assert peer["ratio_ci_low"] <= peer["ratio_to_reference"] <= peer["ratio_ci_high"]
     assert (peer["engine"], peer["engine_version"], peer["engine_kv_type"], peer["engine_isa"],
             peer["step_granularity"]) == ("fake", "fake 1.0", "f32", "the harness's", "token")
+    assert (peer["engine_build"], peer["engine_build_flags"]) == ("built here", "the harness's decoder behind another object")
     assert peer["kernel"] == "fake engine (f32 KV)"
     assert ours.get("engine") is None and ours["agreement_logit_rel"] is None
     # the same weights, through the engine's copy: the agreement check measured it, within bound
@@ -180,4 +181,5 @@ def test_llamacpp_without_its_wheel_is_a_skipped_row_naming_the_pip_command(monk
     with pytest.raises(StrategyUnavailable, match=r"pip install -e '\.\[peers\]'"):
         strategy.kernel(CPU, torch.float32)
     assert strategy.row_columns() == {"engine": "llama.cpp", "step_granularity": "token", "engine_version": None,
-                                      "engine_kv_type": "q8_0", "engine_isa": None}
+                                      "engine_kv_type": "q8_0", "engine_isa": None,
+                                      "engine_build": None, "engine_build_flags": None}

@@ -135,11 +135,13 @@ def _fields(parent: str) -> list[str]:
 
 def cache_layout(strategy, shape, chosen: str | None = None):
     """The layout of the configured strategy for `shape` (the class imported from its `_target_`, built
-    from its options as the runner builds it: strategies.base.Strategy.from_options). `chosen`: the
-    option of conf/strategy/ picked."""
+    from its options as the runner builds it: strategies.base.Strategy.from_options); one the strategy
+    cannot store at this shape is refused (its check_layout). `chosen`: the option of conf/strategy/ picked."""
     options = {k: v for k, v in strategy.items() if k != "_target_"}
     try:
-        return target_class("strategy._target_", strategy.get("_target_")).from_options(options, chosen).cache_layout(shape)
+        built = target_class("strategy._target_", strategy.get("_target_")).from_options(options, chosen)
+        built.check_layout(shape)
+        return built.cache_layout(shape)
     except ConfigError as error:
         raise UsageError(str(error)) from None
     except Exception as error:  # the class's own checks of the shape (ValueError)

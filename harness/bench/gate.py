@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.analysis.analytic import Roof, roofline_time
+from harness.files import publish
 
 BASELINE = Path(__file__).with_name("baseline.json")  # package data: the code that reads it ships it
 RATIO_THRESHOLD = 0.25  # fail when median / control grows by more than this (docs/performance.md: spread)
@@ -263,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise GateError(f"{path}: other processes took {contention(run, machine):.0%} of the CPUs during "
                                     f"this run (limit {CONTENTION_LIMIT:.0%}); a baseline needs runs on an idle machine")
             baseline = new_baseline(list(runs), list(machines))
-            Path(args.baseline).write_text(json.dumps(baseline, indent=2) + "\n")
+            text = json.dumps(baseline, indent=2) + "\n"
+            # made anew each time (never `complete`), whole, by one process at a time (harness.files.publish)
+            publish(args.baseline, lambda temporary: temporary.write_text(text), "writing the bench baseline",
+                    complete=lambda path: False)
             print(f"wrote {args.baseline}: {len(baseline['ratios'])} ratios, median of {len(runs)} run(s)")
             return 0
         if args.spread:

@@ -7,13 +7,22 @@ half of one; the temporary is removed whatever happens, and one left by a killed
 '.', which pyarrow's discovery and the harness's globs skip. Rows (harness.store.files), calibration
 records (harness.store.calibration), the kernels' stamps (harness.kernels.cache) and the report's
 files (harness.report.assemble, its plots included) are all written by it; `write_through` is the same
-step for a library that opens its own file (the engines' GGUF copies, harness.model.gguf_writer).
+step for a library that opens its own file.
 
 `exclusive(lock, doing)`: one lock with one waiting rule, for every place two processes must not do
 the same thing at once (calibrating one device, building one kernel library): an flock on `lock`
 (released by the kernel when its holder dies, so a lock is never stale), the holder's pid written in
 it; a process that finds it held says once who holds it and what it is doing, tries again every
 POLL_S, and gives up after `wait_s` with a one-line RuntimeError.
+
+`publish(path, build, doing)`: how every file or folder the harness builds or converts gets its name
+(the kernel builds, the engines' libraries, weight copies and converted models, the bench baseline).
+Unless `complete(path)` already holds, it takes the lock `.<name>.lock` beside `path` (`exclusive`),
+looks again (another process may have built it meanwhile), removes what a killed builder left, has
+`build` make the artifact under a temporary name of its own (`.<name>.tmp-<pid>-<random>`: no other
+process ever writes or deletes it) and renames it into place (a folder left incomplete at `path` is
+moved aside first). Two processes asking at once: one builds, the other waits and finds it whole.
+A published name is written by `publish` alone.
 
 It imports nothing of the harness: every other layer may use it (pyproject.toml, [tool.importlinter]).
 """
@@ -22,6 +31,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,3 +108,59 @@ def _acquire(descriptor: int, lock: Path, doing: str, wait_s: float) -> None:
                 log.info(f"another process (pid {holder}) is {doing} ({lock}): waiting for it")
                 told = True
             time.sleep(POLL_S)
+
+
+def lock_of(path: Path) -> Path:
+    """The lock `publish` holds while it builds `path`: `.<name>.lock` beside it."""
+    return path.with_name(f".{path.name}.lock")
+
+
+def owned_temporary(path: Path) -> Path:
+    """A hidden name beside `path` that this process alone writes: its pid and a random suffix."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def publish(path: str | Path, build: Callable[[Path], None], doing: str, complete: Callable[[Path], bool] | None = None,
+            folder: bool = False, wait_s: float = WAIT_S) -> bool:
+    """Build `path` once (module docstring): `build(temporary)` makes the file (or, with `folder`, fills
+    the folder made for it) under an owned temporary name, renamed to `path` once it returns. `complete`
+    (default: `path` exists) says whether a build at `path` can be used; a builder of something always
+    made anew passes one that says no. `doing` names the work in a waiting process's lines. True when
+    this process built it, False when it was complete already; the temporary is removed whatever
+    happens, and an OSError of the lock or the build reaches the caller."""
+    path = Path(path)
+    done = complete or Path.exists
+    if done(path):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(lock_of(path), doing, wait_s):
+        if done(path):  # another process built it while this one waited
+            return False
+        for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # a killed builder's: only the holder writes these
+            _remove(leftover)
+        temporary = owned_temporary(path)
+        try:
+            if folder:
+                temporary.mkdir()
+            build(temporary)
+            _replace(temporary, path)
+        finally:
+            _remove(temporary)
+    return True
+
+
+def _replace(temporary: Path, path: Path) -> None:
+    """Rename `temporary` to `path`; a folder (or a file in a folder's place) at `path`, which the caller
+    found incomplete, is moved aside first and removed."""
+    if path.is_dir() or (temporary.is_dir() and path.exists()):
+        aside = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}-old")
+        os.rename(path, aside)
+        _remove(aside)
+    os.replace(temporary, path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

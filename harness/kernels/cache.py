@@ -9,10 +9,11 @@ is loaded; a folder without a stamp (a build killed first, or made by a harness 
 stamp for another key, or whose library does not match its stamp, is never loaded: the caller builds
 it again and says so in one line.
 
-A build runs in a folder of its own (`.<name>.tmp-<pid>`), is stamped there and renamed into place, so
-no process ever sees half of one. One process builds a key at a time: it holds an exclusive flock on
-`.<name>.lock` beside the build (`building`), which the kernel releases when the process ends, so a
-lock left behind by a killed build is never stale; another process waits for the lock (at most
+A build is published as every artifact of the harness is (harness.files.publish, through
+`publish_build`): it runs in a folder of its own (`.<name>.tmp-<pid>-<random>`), is stamped there and
+renamed into place, so no process ever sees half of one. One process builds a key at a time: it holds
+an exclusive flock on `.<name>.lock` beside the build, which the kernel releases when the process ends,
+so a lock left behind by a killed build is never stale; another process waits for the lock (at most
 BUILD_WAIT_S), then finds the build complete and loads it. Under the lock, what a killed build left
 (its temporary folder) and a damaged build are removed.
 
@@ -36,13 +37,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
-from harness.files import exclusive, write_whole
+from harness.files import publish, write_whole
 
 log = logging.getLogger("harness")
 
@@ -151,30 +151,19 @@ def usable_folder(folder: Path) -> None:
                        "HARNESS_KERNEL_CACHE to a writable folder") from None
 
 
-@contextmanager
-def building(folder: Path, name: str, wait_s: float | None = None):
-    """Hold the exclusive right to build `folder / name` (the flock on `.<name>.lock`), waiting for another
-    process that has it at most `wait_s` (default BUILD_WAIT_S); inside, what an earlier build of the
-    name left behind is removed. RuntimeError in one line where the folder cannot be written or the
-    wait runs out."""
-    usable_folder(folder)
-    lock = folder / f".{name}.lock"
-    held = exclusive(lock, "building the kernels", BUILD_WAIT_S if wait_s is None else wait_s)
+def publish_build(target: Path, library: str, key: str, build: Callable[[Path], None], wait_s: float | None = None) -> bool:
+    """`build(folder)` makes and stamps the build of `key` in a folder of its own, published at `target`
+    (harness.files.publish) unless a complete one is there; a damaged one found there is said in one line
+    and replaced. Waits for another process building it at most `wait_s` (default BUILD_WAIT_S). True
+    when this process built it. RuntimeError in one line where the folder cannot be written or the wait
+    runs out."""
+    usable_folder(target.parent)
+    found = problem(target, library, key)
+    if found not in (None, "missing"):
+        log.warning(f"the cached kernel build {target} is {found}: building it again")
     try:
-        held.__enter__()  # harness.files' one waiting rule
+        return publish(target, build, "building the kernels", complete=lambda path: problem(path, library, key) is None,
+                       folder=True, wait_s=BUILD_WAIT_S if wait_s is None else wait_s)
     except OSError as error:
-        raise unusable(f"cannot build the kernels in {folder} ({error.strerror or error}): set "
+        raise unusable(f"cannot build the kernels in {target.parent} ({error.strerror or error}): set "
                        "HARNESS_KERNEL_CACHE to a writable folder") from None
-    try:
-        for leftover in folder.glob(f".{name}.*-*"):  # a killed build's folder, a damaged build set aside
-            shutil.rmtree(leftover, ignore_errors=True)
-        yield
-    finally:
-        held.__exit__(None, None, None)  # releases the flock
-
-
-def set_aside(folder: Path) -> None:
-    """Move a damaged build out of its name (removed under the next build lock if not now)."""
-    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}")
-    os.rename(folder, aside)
-    shutil.rmtree(aside, ignore_errors=True)

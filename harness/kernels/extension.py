@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import shlex
 import shutil
@@ -40,8 +39,6 @@ from pathlib import Path
 import torch
 
 from harness.kernels import cache
-
-log = logging.getLogger("harness")
 
 NAMESPACE = "harness_kernels"  # the operators' namespace, and the library's name
 SOURCE_DIR = Path(__file__).with_name("csrc")  # every source and header of the extension
@@ -126,34 +123,24 @@ def build_and_load(cxx: str) -> Path:
     folder = cache.trusted_folder(cache_dir())  # one no other user can have planted a library in
     target = folder / f"{NAMESPACE}-{key}"
     if cache.problem(target, LIBRARY, key) is not None:
-        with cache.building(folder, target.name):
-            problem = cache.problem(target, LIBRARY, key)  # another process may have built it meanwhile
-            if problem is not None:
-                if problem != "missing":
-                    log.warning(f"the cached kernel build {target} is {problem}: building it again")
-                    cache.set_aside(target)
-                _build(cxx, key, target)
-                return target  # cpp_extension loaded what it built
+        if cache.publish_build(target, LIBRARY, key, lambda building: _build(cxx, key, building)):
+            return target  # cpp_extension loaded what it built
     torch.ops.load_library(str(target / LIBRARY))
     return target
 
 
-def _build(cxx: str, key: str, target: Path) -> None:
-    """Compile and link the extension in a folder of its own, load it, stamp it, rename it to `target`."""
+def _build(cxx: str, key: str, building: Path) -> None:
+    """Compile and link the extension in `building` (a folder of its own, published once this returns),
+    load it, stamp it."""
     from torch.utils import cpp_extension  # imported only to build
 
     _put_ninja_on_path()
-    building = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        building.mkdir()
         cpp_extension.load(NAMESPACE, [str(path) for path in sources()], extra_cflags=list(COMPILE_FLAGS),
                            extra_ldflags=list(LINK_FLAGS), build_directory=str(building), is_python_module=False)
         cache.write_stamp(building, LIBRARY, key, cxx)
-        building.rename(target)  # complete: later processes load it
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         raise RuntimeError(f"{cxx} could not build the kernels ({SOURCE_DIR.name}/): {_first_error(error)}") from error
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
 
 
 def _openmp_runtimes() -> set[str]:

@@ -204,6 +204,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("engine_version", S, "", "peer members: the engine's version, from its library", "measured"),
     ("engine_kv_type", S, "", "peer members: the KV type in the engine's own words (f16, q8_0, u8 by channel)", "measured"),
     ("engine_isa", S, "", "peer members: the instruction set the engine's library was built for, from its own system info", "measured"),
+    ("engine_build", S, "", "peer members: which build of the engine ran: wheel (its package as published) or built here (from source, for this machine: strategies/engines/artifacts/llamacpp_build.py)", "measured"),
+    ("engine_build_flags", S, "", "peer members: what that build was made with: a build made here its flags (GGML_NATIVE=ON ...) and compiler; a wheel what it says of its own build (its version, commit, what it chooses at run time)", "measured"),
     ("step_granularity", S, "", "peer members: what one timed call covered: token (one decode step through the engine's API) or decode (a whole decode, the engine's own loop)", "measured"),
     ("agreement_logit_max_abs", F, "logits", "full-precision peers: largest |engine - exact cache| logit of the first decode step on the point's prompt (harness.measure.agreement)", "measured"),
     ("agreement_logit_rel", F, "", "agreement_logit_max_abs over the exact cache's largest |logit|", "measured"),

@@ -1,5 +1,5 @@
 """OpenVINO as a peer (strategies/engines/engine.py): the plain OpenVINO runtime's CPU plugin running a stateful IR
-of the harness's weights (strategies.engines.openvino_ir), one InferRequest per session, one token per sequence a
+of the harness's weights (strategies.engines.artifacts.openvino_ir), one InferRequest per session, one token per sequence a
 step, logits [B, V] read back.
 
 The KV cache is the request's state: the CPU plugin's fused attention node keeps it in the precision the
@@ -24,7 +24,8 @@ import torch
 from harness.config import CacheLayout, ModelConfig
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor
+from strategies.engines.engine import (WHEEL, EngineInfo, EngineSession, KVType, PeerStrategy, engine_backend,
+                                      float_bytes_per_position, logits_tensor, once)
 
 # kv_type -> the CPU plugin's properties for it. u4: keys by channel (KIVI-like), the issue's member.
 KV_PROPERTIES = {"f32": {"KV_CACHE_PRECISION": "f32"},
@@ -87,65 +88,50 @@ class OpenVINOStrategy(PeerStrategy):
         words = f"{key}" if key == value else f"K {key}, V {value}"
         if self.kv_type != "f32" and accepted.get("KEY_CACHE_QUANT_MODE"):
             words += f", keys {accepted['KEY_CACHE_QUANT_MODE']}"
-        return EngineInfo(version=f"OpenVINO {_version()}", kv_type=words, isa=accepted["isa"])
+        return EngineInfo(version=f"OpenVINO {_version()}", kv_type=words, isa=accepted["isa"], build=WHEEL,
+                          build_flags=_wheel_build())
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
-        from strategies.engines.openvino_ir import stateful_model
+        from strategies.engines.artifacts.openvino_ir import stateful_model
 
         if self.kv_type in CRASHES and _version() == "2026.4.1":
             raise StrategyUnavailable(CRASHES[self.kv_type])
-        xml = stateful_model(self.engine_weights(model))
-        try:
-            compiled = _compiled(str(xml), tuple(sorted(self.properties(torch.get_num_threads()).items())))
+        xml = str(stateful_model(self.engine_weights(model)))
+        properties = tuple(sorted(self.properties(torch.get_num_threads()).items()))
+        try:  # compiling takes seconds: once per file and properties, a session is a request
+            compiled = once(("OpenVINO", xml, properties), lambda: _core().compile_model(xml, "CPU", dict(properties)))
         except RuntimeError as error:  # the plugin's refusal of a property or the model
-            raise StrategyUnavailable(f"OpenVINO: {str(error).strip().splitlines()[-1]}") from error
-        cfg = model.cfg
-        layout = self.cache_layout(cfg)
-        per_head = 2 * cfg.resolved_head_dim * (layout.value_bits or 32) / 8 + layout.scale_bytes_per_token
-        return OpenVINOSession(compiled, batch, max_len, batch * cfg.n_layers * cfg.n_kv_heads * per_head)
+            raise self.refused("refused the model", str(error).strip().splitlines()[-1]) from error
+        layout = self.cache_layout(model.cfg)
+        return OpenVINOSession(self, compiled, batch, max_len,
+                               float_bytes_per_position(model, batch, layout.value_bits or 32, layout.scale_bytes_per_token))
 
 
-class OpenVINOSession(DecodeSession):
+class OpenVINOSession(EngineSession):
     """One InferRequest: its variables are the cache of every layer."""
 
-    def __init__(self, compiled, batch: int, max_len: int, bytes_per_token: float):
+    def __init__(self, strategy: OpenVINOStrategy, compiled, batch: int, max_len: int, bytes_per_position: float):
+        super().__init__(strategy, batch, max_len, bytes_per_position)
         self.request = compiled.create_infer_request()
-        self.batch, self.max_len, self.length = batch, max_len, 0
         self.beam_idx = np.arange(batch, dtype=np.int32)  # every sequence keeps its own cache
-        self.bytes_per_token = bytes_per_token  # K and V of one position, every sequence and layer
 
-    def _run(self, ids: np.ndarray) -> torch.Tensor:
+    def _restart(self) -> None:
+        self.request.reset_state()
+
+    def _forward(self, ids: np.ndarray) -> torch.Tensor:
         count = ids.shape[1]
         positions = np.arange(self.length, self.length + count, dtype=np.int64)
         self.request.infer({"input_ids": ids.astype(np.int64), "attention_mask": np.ones((self.batch, self.length + count), np.int64),
                             "position_ids": np.broadcast_to(positions, (self.batch, count)).copy(), "beam_idx": self.beam_idx})
-        self.length += count
         logits = self.request.get_tensor("logits").data
         return logits_tensor(np.ascontiguousarray(logits, dtype=np.float32), self.batch, logits.shape[-1])
 
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        self.request.reset_state()
-        self.length = 0
-        return self._run(prompt.cpu().numpy())
-
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        if self.length >= self.max_len:
-            raise ValueError(f"cache holds {self.max_len} tokens; cannot step past it")
-        return self._run(token.cpu().numpy()[:, None])
-
-    def rewind(self, length: int) -> None:
+    def _truncate(self, length: int) -> None:
         import openvino as ov
 
-        super().rewind(length)
         for state in self.request.query_state():
             kept = state.state.data[:, :, :length]  # [B, Hkv, positions, D]
             state.state = ov.Tensor(np.ascontiguousarray(kept))
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        # what max_len positions hold at the KV type: the plugin grows its buffer as the sequence grows
-        # and the API does not say by how much
-        return round(self.bytes_per_token * self.max_len)
 
 
 @lru_cache(maxsize=1)
@@ -166,10 +152,14 @@ def _version() -> str:
     return ov.get_version().split("-")[0]
 
 
-@lru_cache(maxsize=None)
-def _compiled(xml: str, properties: tuple):
-    """The compiled model per file and properties (compiling takes seconds; a session is a request)."""
-    return _core().compile_model(xml, "CPU", dict(properties))
+@lru_cache(maxsize=1)
+def _wheel_build() -> str:
+    """What the wheel says of its build: its build number and commit, and what its CPU plugin can run
+    (it compiles its kernels for the CPU it finds when a model is compiled: engine_isa says which)."""
+    import openvino as ov
+
+    capabilities = " ".join(_core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    return f"openvino wheel, build {ov.get_version()}; CPU plugin JIT at run time, capabilities {capabilities}"
 
 
 @lru_cache(maxsize=None)

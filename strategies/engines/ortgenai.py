@@ -1,39 +1,38 @@
 """ONNX Runtime GenAI as a peer (strategies/engines/engine.py): the ONNX model its builder makes from the harness's
-weights at fp32 for the CPU, one token a step through `Generator.append_tokens`, logits read back.
+weights at fp32 for the CPU (strategies.engines.artifacts.ortgenai_model), one token a step through
+`Generator.append_tokens`, logits read back.
 
-The builder (`python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p fp32 -e cpu`) reads a Hugging
-Face folder, or a float GGUF file only with the model's Hugging Face name for its configuration (a hub
-this harness does not reach): the harness writes the folder itself, transformers reading its F32 GGUF copy
-(harness.model.gguf_writer) and saving it, then the builder runs once; both are cached beside the file.
 The harness feeds each step's token (its own greedy loop, the same token every member gets), so a step
 is `append_tokens` of one token per sequence, the engine's forward of that token, and `get_logits`.
 Its CPU KV cache is the model's float32; quantized KV on a CPU needs static calibrated scales (the
 builder's KV_CACHE_QUANT_SCHEMES), which is not a KV type measured here: fp32 is the one member.
+A model the builder or the runtime refuses (a GGUF without a tokenizer for the builder's Hugging Face
+folder, a head width its attention kernel does not take) is a skipped row with the engine's own words,
+in one line.
 Threads: the session's intra-op pool gets the point's torch threads, and does not spin (NO_SPINNING).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from harness.model.gguf_writer import float_gguf, weights_dir
-from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model
+from strategies.engines.artifacts.hf_copy import NoTokenizer
+from strategies.engines.artifacts.ortgenai_model import BuilderFailed, built_model
+from strategies.engines.engine import (WHEEL, EngineInfo, EngineSession, KVType, PeerStrategy, engine_backend,
+                                       float_bytes_per_position, logits_tensor, once)
 
-BUILT = "genai_config.json"  # the builder's last file: its presence marks a complete build
 # ONNX Runtime's own thread pool (not OpenMP) busy-waits for the next operator's work after each by
 # default; between rounds that would burn the cores another member's step runs on. A session option the
 # genai config passes through to AddConfigEntry: its workers sleep instead.
 NO_SPINNING = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
+# ONNX Runtime's own log severity for the session: fatal only. It would print a refusal (a failed node,
+# in colour) on the console as well as raise it; the raised message is the skipped row's reason.
+QUIET = 4
 
 
 class OrtGenAIStrategy(PeerStrategy):
@@ -57,114 +56,67 @@ class OrtGenAIStrategy(PeerStrategy):
         import onnxruntime_genai
 
         # onnxruntime's MLAS dispatches its kernels at run time on the CPU's features; its build names
-        # only the providers it carries.
+        # only the providers it carries, its branch and commit.
         isa = f"runtime dispatch (MLAS); providers {', '.join(onnxruntime.get_available_providers())}"
+        flags = f"onnxruntime wheel, {onnxruntime.get_build_info().removeprefix('ORT Build Info: ')}; MLAS kernels chosen at run time"
         return EngineInfo(version=f"onnxruntime-genai {onnxruntime_genai.__version__}, onnxruntime {onnxruntime.__version__}",
-                          kv_type="float32", isa=isa)
+                          kv_type="float32", isa=isa, build=WHEEL, build_flags=flags)
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
         import onnxruntime_genai as og
 
         if batch > self.forced_batch_limit:
-            raise StrategyUnavailable(f"{self.engine} takes a fed token for one sequence a step, not {batch}: "
-                                      "AppendTokens can only be called once for batch_size > 1 (its own words)")
-        engine_model = _model(built_model(self.engine_weights(model)), torch.get_num_threads())
-        params = og.GeneratorParams(engine_model)
+            raise self.refused(f"takes a fed token for one sequence a step, not {batch}",
+                               "AppendTokens can only be called once for batch_size > 1 (its own words)")
         try:
+            folder = built_model(self.engine_weights(model))
+        except NoTokenizer as error:
+            raise self.refused("cannot be given this model (its builder reads a Hugging Face folder with the file's "
+                               "tokenizer)", error) from None
+        except BuilderFailed as error:
+            raise self.refused("builder refused the model", error) from None
+        threads = torch.get_num_threads()
+        try:  # the engine's own refusal of the model, this batch or this length
+            engine_model = once(("ONNX Runtime GenAI", str(folder), threads), lambda: _model(folder, threads))
+            params = og.GeneratorParams(engine_model)
             params.set_search_options(max_length=max_len, batch_size=batch)
             generator = og.Generator(engine_model, params)
-        except Exception as error:  # the engine's own refusal of this batch or length
-            raise StrategyUnavailable(f"{self.engine}: {error}") from error
-        return OrtGenAISession(generator, batch, max_len, 2 * 4 * model.cfg.n_layers * model.cfg.n_kv_heads
-                               * model.cfg.resolved_head_dim * batch)
+        except Exception as error:  # onnxruntime_genai raises its C++ errors as plain Exception/RuntimeError
+            raise self.refused("refused the model", error) from None
+        return OrtGenAISession(self, generator, batch, max_len, float_bytes_per_position(model, batch))
 
 
-class OrtGenAISession(DecodeSession):
+class OrtGenAISession(EngineSession):
     """One Generator: its past K/V buffers (max_len positions, allocated once) are the cache."""
 
-    def __init__(self, generator, batch: int, max_len: int, bytes_per_token: int):
-        self.generator, self.batch, self.max_len = generator, batch, max_len
-        self.bytes_per_token = bytes_per_token  # float32 K and V of one position, every sequence and layer
-        self.length = 0
+    # Its attention node (GroupQueryAttention) checks the model's head width when it first runs ("head_size
+    # shall be a multiple of 16"), raised as a RuntimeError from append_tokens
+    refused_at_first = (RuntimeError,)
 
-    def _append(self, tokens: np.ndarray) -> torch.Tensor:
-        """tokens [B, T] at positions length.. -> logits [B, V] of the last."""
-        self.generator.append_tokens(tokens.astype(np.int32))
-        self.length += tokens.shape[1]
+    def __init__(self, strategy: OrtGenAIStrategy, generator, batch: int, max_len: int, bytes_per_position: float):
+        super().__init__(strategy, batch, max_len, bytes_per_position)  # float32 K and V (one max_length buffer)
+        self.generator = generator
+
+    def _restart(self) -> None:
+        if self.length:
+            self.generator.rewind_to(0)
+
+    def _forward(self, ids: np.ndarray) -> torch.Tensor:
+        """ids [B, T] at positions length.. -> logits [B, V] of the last."""
+        self.generator.append_tokens(ids.astype(np.int32))
         logits = self.generator.get_logits()  # [B, 1, V] numpy
         return logits_tensor(np.ascontiguousarray(logits[:, -1], dtype=np.float32), self.batch, logits.shape[-1])
 
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        if self.length:
-            self.generator.rewind_to(0)
-            self.length = 0
-        return self._append(prompt.cpu().numpy())
-
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        if self.length >= self.max_len:
-            raise ValueError(f"cache holds {self.max_len} tokens; cannot step past it")
-        return self._append(token.cpu().numpy()[:, None])
-
-    def rewind(self, length: int) -> None:
-        super().rewind(length)
+    def _truncate(self, length: int) -> None:
         self.generator.rewind_to(length)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.bytes_per_token * self.max_len  # the builder's CPU model shares one max_length buffer
-
-
-def hf_folder(gguf: str) -> Path:
-    """The harness's weights as a Hugging Face folder (config, safetensors, tokenizer), written once by
-    transformers from the float GGUF file (it restores the q/k rows' order a GGUF file permutes)."""
-    folder = weights_dir() / "ortgenai" / f"{Path(gguf).stem}-hf"
-    if not (folder / "config.json").exists():
-        from transformers import AutoTokenizer
-
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        source = Path(gguf)
-        transformers_model(source).save_pretrained(partial)
-        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
-        _publish(partial, folder)
-    return folder
-
-
-def built_model(gguf: str) -> Path:
-    """The builder's fp32 CPU model of the harness's weights (built once; a minute or so)."""
-    folder = weights_dir() / "ortgenai" / f"{Path(gguf).stem}-fp32-cpu"
-    if not (folder / BUILT).exists():
-        source = hf_folder(gguf)
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(partial),
-                   "-p", "fp32", "-e", "cpu", "-c", str(partial / "cache")]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise StrategyUnavailable(f"onnxruntime_genai.models.builder failed: {done.stderr.strip().splitlines()[-1:]}")
-        shutil.rmtree(partial / "cache", ignore_errors=True)
-        _publish(partial, folder)
-    return folder
-
-
-def _publish(partial: Path, folder: Path) -> None:
-    """Rename a complete folder into place (a concurrent writer's identical one may already be there)."""
-    try:
-        os.replace(partial, folder)
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-
-
-_MODELS: dict = {}
 
 
 def _model(folder: Path, threads: int):
-    """The engine's model on the CPU with the point's threads (loaded once per process and thread count)."""
-    key = (str(folder), threads)
-    if key not in _MODELS:
-        import onnxruntime_genai as og
+    """The engine's model on the CPU with the point's threads."""
+    import onnxruntime_genai as og
 
-        config = og.Config(str(folder))
-        config.clear_providers()  # the CPU
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1, **NO_SPINNING}}}}))
-        _MODELS[key] = og.Model(config)
-    return _MODELS[key]
+    config = og.Config(str(folder))
+    config.clear_providers()  # the CPU
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1, "log_severity_level": QUIET, **NO_SPINNING}}}}))
+    return og.Model(config)

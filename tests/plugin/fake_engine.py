@@ -2,7 +2,7 @@
 infrastructure (strategies/engines/engine.py) makes an engine a member of a group, with no engine's wheel.
 
 Its session reads the engine's copy of the weights (PeerStrategy.engine_weights: the float GGUF file
-harness.model.gguf_writer writes) into a decoder of its own and decodes with the contiguous cache, so it
+strategies.engines.artifacts.gguf_writer writes) into a decoder of its own and decodes with the contiguous cache, so it
 runs the harness's numbers through the path a real engine's weights take. kv_type `f32` is its full
 precision (agreement checked); `noisy` adds a planted error to every logit, which the agreement check
 must catch; `missing` (FakeMissingEngine) needs a package no one installs: a skipped row.
@@ -15,7 +15,7 @@ from harness.model import build_model
 from strategies.base import DecodeSession
 from strategies.backends import StrategyUnavailable
 from strategies.caches.contiguous import ContiguousStrategy
-from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend
+from strategies.engines.engine import BUILT_HERE, EngineInfo, KVType, PeerStrategy, engine_backend
 
 
 class FakeEngineSession(DecodeSession):
@@ -54,7 +54,8 @@ class FakeEngine(PeerStrategy):
     max_batch = 8  # a batch the "engine" refuses beyond this: a skipped row with its reason
 
     def engine_info(self) -> EngineInfo:
-        return EngineInfo(version="fake 1.0", kv_type=self.kv_types[self.kv_type].word, isa="the harness's")
+        return EngineInfo(version="fake 1.0", kv_type=self.kv_types[self.kv_type].word, isa="the harness's",
+                          build=BUILT_HERE, build_flags="the harness's decoder behind another object")
 
     def new_session(self, model, batch, max_len):
         if batch > self.max_batch:

@@ -1,12 +1,12 @@
-"""The harness's weights as a stateful OpenVINO IR model (strategies/engines/openvino.py runs it), written once per
-checkpoint hash beside the engines' other copies.
+"""The harness's weights as a stateful OpenVINO IR model (strategies/engines/openvino.py runs it), converted once per
+checkpoint hash beside the engines' other copies and published whole (harness.files.publish).
 
 OpenVINO's route for LLMs is a stateful IR: the past K/V of every layer are the model's variables
 (ReadValue/Assign pairs), never inputs, and its CPU plugin fuses each ReadValue -> Concat -> SDPA -> Assign
 chain into one attention node that owns the cache in the KV precision asked for at compile time
 (KV_CACHE_PRECISION). optimum-intel's exporter makes that model but pulls nncf, scikit-learn, scipy and a
 torch of its own; so the harness converts with `openvino.convert_model` alone: transformers' model read
-from the same F32 GGUF copy the other engines get (harness.model.gguf_writer), wrapped in a forward whose past K/V are flat tensors (traceable: no Cache objects, no branch on a shape), then
+from the same F32 GGUF copy the other engines get (strategies.engines.artifacts.hf_copy), wrapped in a forward whose past K/V are flat tensors (traceable: no Cache objects, no branch on a shape), then
 OpenVINO's own make-stateful transformation with a `beam_idx` gather on each state (the layout of the
 stateful LLMs OpenVINO's tools write, which the CPU plugin's fusion expects).
 
@@ -15,15 +15,14 @@ of the last position only (a prompt's other positions are never read).
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from harness.model.gguf_writer import weights_dir
-from strategies.engines.engine import transformers_model
+from harness.files import publish
+from strategies.engines.artifacts.gguf_writer import weights_dir
+from strategies.engines.artifacts.hf_copy import transformers_model
 
 XML = "openvino_model.xml"
 STATE_PAIRS = ("key", "value")
@@ -80,18 +79,8 @@ class FlatPast(torch.nn.Module):
 def stateful_model(gguf: str) -> Path:
     """The stateful fp32 IR of the float GGUF copy's model (converted once; its .xml file)."""
     folder = weights_dir() / "openvino" / f"{Path(gguf).stem}-stateful"
-    if not (folder / XML).exists():
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        partial.mkdir(parents=True, exist_ok=True)
-        try:
-            _convert(Path(gguf), partial / XML)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        try:
-            os.replace(partial, folder)
-        except OSError:  # a concurrent writer's identical folder is already there
-            shutil.rmtree(partial, ignore_errors=True)
+    publish(folder, lambda building: _convert(Path(gguf), building / XML), f"converting {folder.name}",
+            complete=lambda path: (path / XML).exists(), folder=True)
     return folder / XML
 
 

@@ -12,7 +12,8 @@ those pairs, as the decoder rotates the rotate-half order harness.model.gguf_fil
 
 The file is cached by the source checkpoint's content hash (harness.model.checkpoint) and the float
 type, under the kernel cache's folder (harness.kernels.extension.cache_dir, `weights/`): written once,
-beside a `.partial` file renamed into place only when complete, so a reader never sees half a file.
+by one process at a time, under a temporary name renamed into place only when complete
+(harness.files.publish), so a reader never sees half a file.
 A Hugging Face folder checkpoint is refused (CheckpointError): it has no GGUF metadata to copy.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from harness.files import write_through
+from harness.files import publish
 from harness.kernels.extension import cache_dir
 from harness.model.checkpoint import read_checkpoint
 from harness.model.checkpoint_fields import CheckpointError
@@ -51,10 +52,7 @@ def float_gguf(checkpoint: str | Path, kind: str = "F32", folder: Path | None = 
                               "file (its metadata and tokenizer are copied)")
     path = Path(source.shape.checkpoint)
     target = (folder or weights_dir()) / f"{source.shape.name}-{source.content_hash}-{kind}.gguf"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # atomic (harness.files): a concurrent writer's identical file replaces it harmlessly
-        write_through(target, lambda temporary: write_float_gguf(path, temporary, kind))
+    publish(target, lambda temporary: write_float_gguf(path, temporary, kind), f"writing {target.name}")
     return target
 
 
