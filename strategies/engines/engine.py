@@ -39,6 +39,8 @@ checkpoint (a prompt of real text, prefill=compute): `check_point` refuses the r
 """
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -46,7 +48,7 @@ from typing import ClassVar
 import torch
 
 from harness.config import CacheLayout, ModelConfig
-from harness.model.gguf_writer import float_gguf
+from harness.model.gguf_writer import float_gguf, weights_dir
 from strategies.backends import Backend
 from strategies.base import Agreement, Strategy, StrategyOptionError
 
@@ -183,3 +185,27 @@ def transformers_model(gguf: str | Path):
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model
+
+
+def hf_folder(gguf: str | Path) -> Path:
+    """The harness's weights as a Hugging Face folder (config, safetensors, tokenizer), written once by
+    transformers from the float GGUF file (transformers_model), for the engines that read such a folder
+    (ONNX Runtime GenAI's builder, vLLM)."""
+    source = Path(gguf)
+    folder = weights_dir() / "hf" / f"{source.stem}-hf"
+    if not (folder / "config.json").exists():
+        from transformers import AutoTokenizer
+
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        transformers_model(source).save_pretrained(partial)
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
+        publish(partial, folder)
+    return folder
+
+
+def publish(partial: Path, folder: Path) -> None:
+    """Rename a complete folder into place (a concurrent writer's identical one may already be there)."""
+    try:
+        os.replace(partial, folder)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)

@@ -27,7 +27,7 @@ import torch
 from harness.model.gguf_writer import float_gguf, weights_dir
 from strategies.backends import StrategyUnavailable
 from strategies.base import DecodeSession
-from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, logits_tensor, transformers_model
+from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, engine_backend, hf_folder, logits_tensor, publish
 
 BUILT = "genai_config.json"  # the builder's last file: its presence marks a complete build
 # ONNX Runtime's own thread pool (not OpenMP) busy-waits for the next operator's work after each by
@@ -114,21 +114,6 @@ class OrtGenAISession(DecodeSession):
         return self.bytes_per_token * self.max_len  # the builder's CPU model shares one max_length buffer
 
 
-def hf_folder(gguf: str) -> Path:
-    """The harness's weights as a Hugging Face folder (config, safetensors, tokenizer), written once by
-    transformers from the float GGUF file (it restores the q/k rows' order a GGUF file permutes)."""
-    folder = weights_dir() / "ortgenai" / f"{Path(gguf).stem}-hf"
-    if not (folder / "config.json").exists():
-        from transformers import AutoTokenizer
-
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        source = Path(gguf)
-        transformers_model(source).save_pretrained(partial)
-        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
-        _publish(partial, folder)
-    return folder
-
-
 def built_model(gguf: str) -> Path:
     """The builder's fp32 CPU model of the harness's weights (built once; a minute or so)."""
     folder = weights_dir() / "ortgenai" / f"{Path(gguf).stem}-fp32-cpu"
@@ -141,16 +126,8 @@ def built_model(gguf: str) -> Path:
         if done.returncode != 0:
             raise StrategyUnavailable(f"onnxruntime_genai.models.builder failed: {done.stderr.strip().splitlines()[-1:]}")
         shutil.rmtree(partial / "cache", ignore_errors=True)
-        _publish(partial, folder)
+        publish(partial, folder)
     return folder
-
-
-def _publish(partial: Path, folder: Path) -> None:
-    """Rename a complete folder into place (a concurrent writer's identical one may already be there)."""
-    try:
-        os.replace(partial, folder)
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 _MODELS: dict = {}
