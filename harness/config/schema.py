@@ -111,6 +111,58 @@ class AccuracyConfig:
 
 
 @dataclass
+class WorkloadConfig:
+    """A serving run's requests (harness.serve.workload; conf/workload/): each request's prompt and
+    output lengths, what it asks the server to reserve for, and when it arrives."""
+
+    ROW_PREFIX: ClassVar[str] = "workload_"  # columns workload (the name), workload_lengths, workload_rate, ...
+
+    name: str = "sharegpt"  # the workload's name in rows: the conf/workload/ option chosen
+    # Where each request's lengths come from: sharegpt or alpaca (seeded draws whose means the vLLM paper
+    # publishes), fixed (prompt_len and output_len for every request), or trace (the file `trace`)
+    lengths: str = "sharegpt"
+    # lengths=trace or arrival=trace: a CSV with the Azure LLM inference trace's columns TIMESTAMP,
+    # ContextTokens, GeneratedTokens, or JSONL with prompt_len, output_len and arrival_s per line
+    trace: Optional[str] = None
+    requests: int = 64  # requests in the workload (from a trace: its first this many)
+    prompt_len: int = 128  # lengths=fixed: every request's prompt tokens
+    output_len: int = 128  # lengths=fixed: every request's output tokens
+    length_scale: float = 1.0  # every prompt and output length multiplied by this (rounded, at least 1)
+    # The output a request asks for at most, as a client's max_tokens: drawn or read outputs are cut to
+    # it, and a reservation-based server reserves prompt + max_tokens; None: each request's own length
+    max_tokens: Optional[int] = None
+    arrival: str = "poisson"  # all_at_once | poisson | gamma | closed | trace (the trace's timestamps)
+    rate: Optional[float] = None  # poisson, gamma: requests per second
+    burstiness: float = 1.0  # gamma: the shape of the inter-arrival times (vLLM's --burstiness; 1 is Poisson)
+    concurrency: Optional[int] = None  # closed: requests in flight, the next sent when one finishes
+
+
+@dataclass
+class SLOConfig:
+    """The latency objectives goodput counts against (a request meets them when every one set holds)."""
+
+    ROW_PREFIX: ClassVar[str] = "serving_slo_"  # columns serving_slo_ttft_s, serving_slo_tpot_s
+
+    ttft_s: Optional[float] = None  # time to first token at most, seconds; None: not an objective
+    tpot_s: Optional[float] = None  # time per output token after the first at most, seconds; None: not an objective
+
+
+@dataclass
+class ServingConfig:
+    """How a serving run schedules its workload (harness.serve.scheduler)."""
+
+    ROW_PREFIX: ClassVar[str] = "serving_"  # columns serving_kv_budget_bytes, serving_prefill_chunk, ...
+
+    kv_budget_bytes: float = 256 * 2**20  # the KV cache's bytes, by the strategy's own accounting (strategies.serving)
+    prefill_chunk: Optional[int] = None  # prompt tokens prefilled per iteration at most (chunked prefill); None: whole prompts
+    max_batch: int = 256  # sequences running at once at most (vLLM's max_num_seqs)
+    slo: SLOConfig = field(default_factory=SLOConfig)  # goodput's objectives
+    # Every output token checked against the recompute reference (one teacher-forced pass per request
+    # after the run, untimed): exact strategies' divergences and approximate ones' agreement
+    check_tokens: bool = True
+
+
+@dataclass
 class RunConfig:
     """One measured point, or with Hydra's multirun, one point of a sweep."""
 
@@ -145,6 +197,10 @@ class RunConfig:
     interleave: str = "shape"
     repeats: int = 1  # measure every group this many times, in shuffled order (rows keyed by `repeat`)
     search: str = "none"  # none | max_batch: find the largest batch that runs within memory_limit_bytes by bisection (+sweep=capacity)
+    # A serving run instead of a step measurement (harness.serve): the requests (workload=<conf/workload/
+    # option>) and how they are scheduled; None: the point measures decode steps
+    workload: Optional[WorkloadConfig] = None
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
 
 def unknown_key(tree, schema=RunConfig, prefix: str = "", skip: tuple[str, ...] = ("hydra",)):
