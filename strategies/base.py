@@ -143,6 +143,9 @@ class Strategy(ABC):
     # new tokens for several sequences only once: ONNX Runtime GenAI); None: any batch. The accuracy
     # pass runs its windows in sessions of at most this many; a timed point above it is skipped.
     forced_batch_limit: ClassVar[int | None] = None
+    # An engine with its own scheduler (vLLM): a serving run hands it the whole workload through its
+    # `serve_requests` (strategies.engines.served) instead of scheduling its sessions itself.
+    serves_requests: ClassVar[bool] = False
 
     def __init__(self, backend: str = "auto"):
         allowed = ("auto", *self.backend_names())

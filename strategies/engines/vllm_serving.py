@@ -25,7 +25,7 @@ import json
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import ClassVar, Optional, Sequence
 
@@ -35,6 +35,7 @@ from strategies.backends import Backend, StrategyUnavailable
 from strategies.base import DecodeSession, StrategyOptionError
 from strategies.engines import vllm_env
 from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, hf_folder
+from strategies.engines.served import ServedEngine, ServedIteration, ServedRequest, ServedRun, ServeRequest
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 CPU_BLOCK_SIZE = 128  # vLLM's CPU default block size, used where `block_size` is not set
@@ -42,74 +43,12 @@ BLOCK_MULTIPLE = 32  # vLLM's CPU attention kernels take blocks of a multiple of
 REFUSED_EXIT = 3  # vllm_worker.ERROR_EXIT: vLLM refused, error.json says why
 
 
-@dataclass(frozen=True)
-class ServeRequest:
-    """One request handed to vLLM."""
-
-    id: int  # the request's index in the workload
-    arrival_s: Optional[float]  # seconds after the run's start; None: a closed loop sends it when one finishes
-    prompt_token_ids: tuple[int, ...]
-    output_len: int  # tokens generated, end-of-sequence ignored
-
-
-@dataclass(frozen=True)
-class ServedRequest:
-    """One request as vLLM served it: times in seconds after the run's start, from vLLM's request metrics."""
-
-    id: int
-    arrival_s: float  # when it arrived (a closed loop's: when it was sent)
-    queued_s: float  # vLLM's engine core received it (the step that was running when it arrived ended)
-    scheduled_s: float  # vLLM first scheduled it
-    first_token_s: float
-    token_times_s: tuple[float, ...]  # every output token's: the end of the engine step that made it
-    finish_s: float
-    output_token_ids: tuple[int, ...]
-    num_preemptions: int  # times vLLM preempted it (by recompute)
-    prompt_len: int
-
-
-@dataclass(frozen=True)
-class ServedIteration:
-    """One engine step."""
-
-    start_s: float
-    end_s: float
-    prefill_tokens: int  # tokens computed beyond one per decoding request: prompts, chunks, recomputation
-    decodes: int  # requests that decoded a token
-    running: int  # requests the step computed
-    waiting: int  # requests waiting after it
-    used_blocks: int  # KV blocks held while it ran (the finished requests' included)
-    held_tokens: int  # tokens whose K/V those blocks hold
-
-
-@dataclass(frozen=True)
-class ServedEngine:
-    """What vLLM set up for the run."""
-
-    version: str
-    block_size: int
-    num_blocks: int  # blocks vLLM cut the budget into (its null block included)
-    kv_tokens: int  # num_blocks * block_size: the KV tokens vLLM reports
-    usable_kv_tokens: int  # without the null block: what requests can hold
-    kv_bytes_per_token: int
-    kv_cache_bytes: int  # bytes vLLM allocated for the cache
-    threads: int
-    startup_s: float  # engine start and the untimed warm-up request
-
-
-@dataclass(frozen=True)
-class ServedRun:
-    engine: ServedEngine
-    requests: tuple[ServedRequest, ...]  # in the order they finished
-    iterations: tuple[ServedIteration, ...]
-
-
 class VllmStrategy(PeerStrategy):
     name = "vllm"
     engine = "vLLM"
     package = "vllm"  # imported only by the worker, in vLLM's own environment
     step_granularity = "request"  # vLLM serves whole requests; it has no single-token step
-    serves_requests: ClassVar[bool] = True  # a serving run hands it the workload (serve_requests)
+    serves_requests = True  # a serving run hands it the workload (serve_requests)
     kv_types: ClassVar[dict[str, KVType]] = {"fp32": KVType("float32")}
     exact_kv_types = ("fp32",)
     backends = (Backend(name="engine", kernel="vLLM CPU paged attention ({kv_type} KV, {block_size}-token blocks)",
