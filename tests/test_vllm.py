@@ -27,6 +27,7 @@ CPU = torch.device("cpu")
 def test_block_size_must_be_a_multiple_of_32_and_kv_type_fp32():
     assert VllmStrategy().options() == {"kv_type": "fp32", "block_size": vllm_serving.CPU_BLOCK_SIZE}
     assert VllmStrategy(block_size=64).options()["block_size"] == 64
+    assert VllmStrategy(python="/elsewhere/bin/python").options()["python"] == "/elsewhere/bin/python"  # rebuilt from these
     for bad in (16, 48, 0, -32, True, "64"):
         with pytest.raises(ConfigError, match="strategy.block_size"):
             VllmStrategy(block_size=bad)
@@ -87,8 +88,8 @@ with (out / "requests.jsonl").open("w") as f, (out / "iterations.jsonl").open("w
     for line in requests.splitlines():
         r = json.loads(line)
         f.write(json.dumps({"id": r["id"], "arrival_s": r["arrival_s"], "queued_s": 0.1, "scheduled_s": 0.1,
-            "first_token_s": 0.2, "token_times_s": [0.2] * r["output_len"], "finish_s": 0.2,
-            "output_token_ids": r["prompt_token_ids"][:r["output_len"]], "num_preemptions": 0,
+            "first_token_s": 0.2, "token_times_s": [0.25 * (1 + i) for i in range(r["output_len"])], "finish_s": 0.2,
+            "output_token_ids": (r["prompt_token_ids"] * r["output_len"])[:r["output_len"]], "num_preemptions": 0,
             "prompt_len": len(r["prompt_token_ids"])}) + "\\n")
     g.write(json.dumps({"start_s": 0.1, "end_s": 0.2, "prefill_tokens": 5, "decodes": 0, "running": 2,
         "waiting": 0, "used_blocks": 2, "held_tokens": 5}) + "\\n")
@@ -114,7 +115,7 @@ def test_the_protocol_round_trip(stand_in):
     requests = [ServeRequest(0, 0.0, (5, 6, 7), 2), ServeRequest(1, None, (8, 9), 1)]
     run = stand_in.serve_requests(None, requests, 10_000, 8, threads=3)
     assert run.engine.usable_kv_tokens == 64 and run.engine.threads == 3
-    assert [(r.id, r.output_token_ids, r.token_times_s) for r in run.requests] == [(0, (5, 6), (0.2, 0.2)), (1, (8,), (0.2,))]
+    assert [(r.id, r.output_token_ids, r.token_times_s) for r in run.requests] == [(0, (5, 6), (0.25, 0.5)), (1, (8,), (0.25,))]
     assert run.requests[1].arrival_s is None and run.iterations[0].running == 2
     assert stand_in.row_columns()["engine_version"] == "vLLM 0.32.0"
 
@@ -152,6 +153,82 @@ def test_what_the_engine_served_maps_onto_the_runs_records_and_columns():
     assert columns["ttft_mean_s"] == pytest.approx((0.2 + 0.3) / 2) and columns["preemptions"] == 1
     with pytest.raises(RuntimeError, match="finished 1 of 2 requests"):
         as_records(workload, ServedRun(engine, served.requests[:1], served.iterations))
+
+
+# A serving run's vllm member, through the runner's seam (harness.serve.point): on a tiny GGUF checkpoint
+SERVE = ["model=tiny", "workload=fixed", "workload.requests=3", "workload.prompt_len=5", "workload.output_len=4",
+         "serving.kv_budget_bytes=100000"]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from tests.gguf_files import byte_level_vocab, random_weights, write_gguf
+
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", random_weights(len(byte_level_vocab()[0])))
+
+
+def test_a_serving_run_without_vllms_environment_is_a_skipped_row_naming_the_command(tiny_checkpoint, tmp_path):
+    """Never a failed row, never another engine: the member's row says what to install."""
+    import pandas as pd
+    from tests.conftest import run_cli
+
+    results = tmp_path / "results"
+    result = run_cli("device=cpu", *SERVE, f"model.checkpoint={tiny_checkpoint}", "strategy=vllm32",
+                     f"strategy.python={tmp_path / 'nowhere' / 'bin' / 'python'}", f"results_dir={results}")
+    assert result.returncode == 0, result.stderr
+    row = pd.read_parquet(results).iloc[0]
+    assert row.status == "skipped" and "python -m strategies.engines.vllm_env" in row.reason
+    assert row.engine == "vLLM" and row.strategy.startswith("vllm32(python=") and row.workload == "fixed"
+    assert not (results / "_requests").exists()
+
+
+def test_the_serving_preset_has_a_vllm_member():
+    from harness.run.plan import plan
+
+    members = {job.point.strategy.variant: job.point for job in plan(["device=cpu", "+sweep=serving"],
+                                                                      cuda_available=lambda: False).jobs}
+    vllm = members["vllm32"]
+    assert vllm.strategy.strategy_options["block_size"] == 32
+    assert vllm.serving.serving.kv_budget_bytes == members["paged"].serving.serving.kv_budget_bytes
+
+
+def test_an_engine_serving_point_gives_the_runs_columns_and_request_file(stand_in, tiny_checkpoint, monkeypatch):
+    """A point of the vllm member served by the stand-in worker through serve_point: the row's serving
+    columns from the engine's records, the engine's own KV facts, every token checked against the
+    reference (the stand-in's tokens are not the model's: counted as divergences, not hidden)."""
+    from harness.run.row import build_row
+    from harness.serve.point import serve_point
+    from tests.conftest import planned_point
+
+    point = planned_point(*SERVE, f"model.checkpoint={tiny_checkpoint}", "strategy=vllm32",
+                          f"strategy.python={stand_in.python}")
+    measured = serve_point(point)
+    assert measured["status"] == "ok", measured.get("traceback")
+    assert measured["serving_requests"] == 3 and measured["output_throughput"] > 0
+    assert measured["serving_placement"] == "blocks" and measured["kv_cache_bytes"] == 768  # the engine's own
+    assert measured["engine"] == "vLLM" and "64 tokens usable" in measured["timing_method"]
+    assert measured["peak_memory_bytes"] is None and 0 <= measured["contention"] <= 1
+    assert measured["tokens_checked"] == 3 * 4 and measured["requests_diverged"] == 3
+    assert [len(r["output_tokens"]) for r in measured["requests"]] == [4, 4, 4]
+    assert all(r["ttft_s"] is not None and len(r["token_times_s"]) == 4 for r in measured["requests"])
+    row = build_row(point, measured)
+    assert row["status"] == "ok" and row["strategy"] == "vllm32" and row["engine_version"] == "vLLM 0.32.0"
+
+
+def test_an_engines_refusal_is_a_skipped_serving_row(stand_in, tiny_checkpoint, monkeypatch):
+    """vLLM refusing the run (its words through StrategyUnavailable) skips the point; it is not a failure."""
+    from harness.serve.point import serve_point
+    from tests.conftest import planned_point
+
+    def refuse(*args, **kwargs):
+        raise StrategyUnavailable("vLLM: ValueError: To serve at least one request with the models's max seq len")
+
+    monkeypatch.setattr(VllmStrategy, "serve_requests", refuse)
+    point = planned_point(*SERVE, f"model.checkpoint={tiny_checkpoint}", "strategy=vllm32",
+                          f"strategy.python={stand_in.python}")
+    measured = serve_point(point)
+    assert measured["status"] == "skipped" and measured["reason"].startswith("vLLM: ValueError: To serve")
+    assert measured["engine"] == "vLLM"
 
 
 # The slow tier: vLLM's own engine, where its environment and SmolLM2 are installed.
@@ -277,3 +354,26 @@ def test_a_workload_served_by_vllm_gives_the_runs_columns(smollm2):
     assert [len(t) for t in run.output_token_ids] == [r.output_len for r in workload.requests]
     assert 0 < columns["kv_holding_bytes_peak"] <= columns["kv_taken_bytes_peak"] <= run.engine.kv_cache_bytes
     assert run.engine.usable_kv_tokens == (run.engine.num_blocks - 1) * 128
+
+
+@_slow
+def test_a_serving_run_serves_vllm_beside_paged_with_the_same_columns(tmp_path):
+    """The runner's seam with vLLM itself: a vllm32 row and a paged row of the same requests, both ok,
+    vLLM's tokens checked against the reference like ours, its per-request records in the same file."""
+    import pandas as pd
+    from tests.conftest import run_cli
+
+    results = tmp_path / "results"
+    result = run_cli("-m", "device=cpu", "model=smollm2_135m", "prompt=python-docs", "workload=sharegpt",
+                     "workload.requests=4", "workload.length_scale=0.1", "workload.rate=4", "workload.max_tokens=64",
+                     "serving.kv_budget_bytes=16777216", "strategy=paged,vllm32", f"results_dir={results}")
+    assert result.returncode == 0, result.stderr
+    rows = pd.read_parquet(results).set_index("strategy")
+    assert (rows.status == "ok").all(), rows.reason.to_dict()
+    vllm, paged = rows.loc["vllm32"], rows.loc["paged"]
+    assert vllm.engine == "vLLM" and vllm.serving_requests == paged.serving_requests == 4
+    assert vllm.tokens_checked == paged.tokens_checked and vllm.requests_diverged == 0
+    assert vllm.kv_cache_bytes <= 16777216 and vllm.ttft_p50_s > 0 and vllm.output_throughput > 0
+    requests = pd.read_parquet(results / "_requests")
+    by = {name: group.sort_values("request") for name, group in requests.groupby("strategy")}
+    assert list(map(list, by["vllm32"].output_tokens)) == list(map(list, by["paged"].output_tokens))

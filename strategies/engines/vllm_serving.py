@@ -36,6 +36,7 @@ from strategies.base import DecodeSession, StrategyOptionError
 from strategies.engines import vllm_env
 from strategies.engines.engine import EngineInfo, KVType, PeerStrategy, hf_folder
 from strategies.engines.served import ServedEngine, ServedIteration, ServedRequest, ServedRun, ServeRequest
+from strategies.serving import BLOCKS, SequenceMemory, kv_bytes_per_token
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 CPU_BLOCK_SIZE = 128  # vLLM's CPU default block size, used where `block_size` is not set
@@ -64,10 +65,13 @@ class VllmStrategy(PeerStrategy):
                                       f"of {BLOCK_MULTIPLE} tokens, or null for its default ({CPU_BLOCK_SIZE})")
         self.block_size = block_size or CPU_BLOCK_SIZE  # tokens per KV block
         # the Python of vLLM's environment; None: the default folder strategies.engines.vllm_env makes
+        self.python_option = python
         self.python = Path(python) if python else vllm_env.python_of(vllm_env.default_folder())
 
     def options(self) -> dict:
-        return {"kv_type": self.kv_type, "block_size": self.block_size}
+        # the environment only where one is named: the point's process builds the strategy from these
+        python = {"python": self.python_option} if self.python_option else {}
+        return {"kv_type": self.kv_type, "block_size": self.block_size, **python}
 
     def install_problem(self) -> Optional[str]:
         return vllm_env.install_problem(self.python)
@@ -87,6 +91,15 @@ class VllmStrategy(PeerStrategy):
             info = self.engine_info()
             columns.update(engine_version=info.version, engine_kv_type=info.kv_type, engine_isa=info.isa)
         return columns
+
+    def serving_unavailable(self) -> Optional[str]:
+        return self.install_problem()
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """vLLM's own accounting: fp32 K and V of every layer and KV head, a block of block_size tokens
+        taken when the last one fills (the serving run checks each request fits the budget alone by it;
+        vLLM itself also keeps one block of the budget as its null block)."""
+        return SequenceMemory(kv_bytes_per_token(shape, torch.float32), BLOCKS, block_tokens=self.block_size)
 
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:
         raise StrategyUnavailable("vLLM serves whole requests (a serving run: workload=...); its engine has no "
