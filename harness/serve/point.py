@@ -149,7 +149,7 @@ def _serve_on_engine(point: Point, strategy, model, workload: Workload, prompts,
     ended = replace(ended, mine=ended.mine + _children_cpu_s() - children)
     engine = run.engine
     kernel = strategy.kernel(model.device, model.dtype, point.model)
-    timing = (f"{engine.version}'s own request metrics (arrival, first scheduled, each token at the end of its engine "
+    timing = (f"{strategy.engine} {engine.version}'s own request metrics (arrival, first scheduled, each token at the end of its engine "
               f"step), on its clock from the run's start; its KV cache {engine.num_blocks:,} blocks of "
               f"{engine.block_size} tokens, {engine.usable_kv_tokens:,} tokens usable (one block is its null block), "
               f"{engine.threads} threads, started in {engine.startup_s:.0f} s")
