@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    point = plan(["device=cpu", "model=smollm2_135m", "prompt=python-docs"], cuda_available=lambda: False).jobs[0].point
+    point = plan(["device=cpu", "model=smollm2_135m", "prompt=python-docs"], cuda_available=lambda: False).planned[0].point
     model = build_model(point.model, torch.device("cpu"), torch.float32, seed=0, matmul=point.matmul, batch_hint=1)
     text = checked_tokens(point, 1 << 16)
     strategy = VllmStrategy(block_size=args.block_size)

@@ -186,7 +186,7 @@ def test_the_serving_preset_has_a_vllm_member():
     from harness.run.plan import plan
 
     members = {job.point.strategy.variant: job.point for job in plan(["device=cpu", "+sweep=serving"],
-                                                                      cuda_available=lambda: False).jobs}
+                                                                      cuda_available=lambda: False).planned}
     vllm = members["vllm32"]
     assert vllm.strategy.strategy_options["block_size"] == 32
     assert vllm.serving.serving.kv_budget_bytes == members["paged"].serving.serving.kv_budget_bytes
