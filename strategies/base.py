@@ -144,6 +144,9 @@ class Strategy(ABC):
     # new tokens for several sequences only once: ONNX Runtime GenAI); None: any batch. The accuracy
     # pass runs its windows in sessions of at most this many; a timed point above it is skipped.
     forced_batch_limit: ClassVar[int | None] = None
+    # An engine with its own scheduler (vLLM): a serving run hands it the whole workload through its
+    # `serve_requests` (strategies.engines.served) instead of scheduling its sessions itself.
+    serves_requests: ClassVar[bool] = False
     # Serving (harness.serve): a serving pool of this strategy may prefill a prompt in chunks over several
     # iterations (serving.prefill_chunk); False where the cache needs the whole prompt at once.
     chunked_prefill: ClassVar[bool] = True
