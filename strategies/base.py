@@ -19,6 +19,7 @@ import torch
 from harness.config import CONTIGUOUS, CacheLayout, ConfigError, ModelConfig
 from harness.model.random_fill import uniform_like_normal_
 from strategies.backends import Backend, StrategyUnavailable, choose
+from strategies.serving import SequenceMemory
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class Strategy(ABC):
     # new tokens for several sequences only once: ONNX Runtime GenAI); None: any batch. The accuracy
     # pass runs its windows in sessions of at most this many; a timed point above it is skipped.
     forced_batch_limit: ClassVar[int | None] = None
+    # Serving (harness.serve): a serving pool of this strategy may prefill a prompt in chunks over several
+    # iterations (serving.prefill_chunk); False where the cache needs the whole prompt at once.
+    chunked_prefill: ClassVar[bool] = True
 
     def __init__(self, backend: str = "auto"):
         allowed = ("auto", *self.backend_names())
@@ -220,6 +224,25 @@ class Strategy(ABC):
         """The bounds within which this strategy must agree with the exact reference before it is timed
         (harness.measure.agreement), for one not proven exact that claims full precision; None: none."""
         return None
+
+    def serving_unavailable(self) -> str | None:
+        """Why this strategy cannot serve a workload (harness.serve: a pool holding a changing set of
+        sequences, each at its own length), or None, where sequence_memory and new_pool say how. A
+        serving point of a strategy that cannot is a skipped row with this reason."""
+        if not self.caches_kv:
+            return f"{self.name} keeps no cache: a server recomputing every sequence has nothing to pool"
+        return (f"{self.name} declares no serving pool (strategies.base.Strategy.new_pool): a serving run holds "
+                "a changing set of sequences at their own lengths, which its sessions do not")
+
+    def sequence_memory(self, shape: ModelConfig, dtype: torch.dtype) -> SequenceMemory:
+        """What one sequence costs this strategy's serving pool for `shape` in `dtype`: its own
+        accounting, which the scheduler admits and grows sequences by (strategies.serving)."""
+        raise NotImplementedError(self.serving_unavailable())
+
+    def new_pool(self, model, memory: SequenceMemory, budget_bytes: int, max_len: int):
+        """A serving pool (strategies.caches.pools.SequencePool) holding sequences of at most `max_len`
+        tokens within `budget_bytes`, placed as harness.serve.memory decides by `memory`."""
+        raise NotImplementedError(self.serving_unavailable())
 
     @abstractmethod
     def new_session(self, model, batch: int, max_len: int) -> DecodeSession:

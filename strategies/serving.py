@@ -64,3 +64,9 @@ class SequenceMemory:
         rounded up to a block, or per-sequence state)."""
         kept = held if self.kept_tokens is None else min(held, self.kept_tokens)
         return kept * self.bytes_per_token
+
+
+def kv_bytes_per_token(shape, dtype) -> int:
+    """Bytes of K and V for one token in every layer and KV head, at the width of `dtype` (a torch dtype,
+    or anything with an `itemsize`): the full-width caches' bytes per token."""
+    return 2 * shape.n_layers * shape.n_kv_heads * shape.resolved_head_dim * dtype.itemsize

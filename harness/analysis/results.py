@@ -140,7 +140,8 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
     roofs: dict = {}  # a row's roof depends on these alone: found once per kind of row
     figures_of: dict = {}  # (kind, PREDICTION_INPUTS) -> its prediction
     predicted, failed = {}, {}
-    for index in rows.index[~recorded]:
+    serving = rows["workload"].notna()  # a serving run (harness.serve) has no decode step to predict
+    for index in rows.index[~recorded & ~serving]:
         row = rows.loc[index]
         folder = row.get("source_dir", results_dir)
         try:

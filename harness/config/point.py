@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional
 
 from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_as, keyed_fields
 from harness.config.layout import CacheLayout
-from harness.config.schema import AccuracyConfig, ModelConfig, TimingConfig
+from harness.config.schema import AccuracyConfig, ModelConfig, ServingConfig, SLOConfig, TimingConfig, WorkloadConfig
 from harness.config.validate import target_class
 
 
@@ -23,6 +23,7 @@ from harness.config.validate import target_class
 # its own, or no column at all (a setting whose effect the row's measured columns state).
 COLUMN = "column"
 NO_COLUMNS = {COLUMN: None}
+NULL_COLUMNS_OF = "null_columns_of"  # a dataclass field that may be None: its columns (of a default instance) stay null
 # Fields of a point's identity that follow its strategy: the points timed together in one group differ
 # only in these (Point.group_key; harness.run.windows compares groups that differ in them and in ctx).
 FOLLOW_THE_STRATEGY = ("strategy", "matmul", "compile", "reference", "accuracy")
@@ -73,6 +74,19 @@ class StrategyChoice:
 
 
 @dataclass(frozen=True)
+class ServingSpec:
+    """A serving run's part of a point (harness.serve): its workload and how it is scheduled, as
+    configured; the point's batch, ctx and decode_tokens then say nothing of what it measures."""
+
+    ROW_PREFIX: ClassVar[str] = ""  # its dataclasses' own prefixes: workload_*, serving_*
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)  # the requests (conf/workload/)
+    serving: ServingConfig = field(default_factory=ServingConfig)  # the budget, chunks, SLOs
+    # A trace file's content hash (harness.serve.workload; the key's, so an edited trace is served
+    # again); None for a synthetic workload
+    workload_hash: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Point:
     """One measurement, resolved. Its key hashes every field as harness.config.keys states, once."""
 
@@ -120,6 +134,9 @@ class Point:
     interleave: str = field(default="none", metadata=NOT_IN_KEY)
     # which of the sweep's `repeats` measurements of this point
     repeat: int = field(default=0, metadata=OPTIONAL_IN_KEY)
+    # A serving run instead of a step measurement (harness.serve); None: the point times decode steps.
+    # Its columns are null on a step row (NULL_COLUMNS_OF).
+    serving: Optional[ServingSpec] = field(default=None, metadata={**OPTIONAL_IN_KEY, NULL_COLUMNS_OF: ServingSpec})
 
     @property
     def max_len(self) -> int:
@@ -154,9 +171,14 @@ class Point:
 
     def label(self) -> str:
         """How progress lines and errors name the point: the run options that tell two points of one
-        sweep apart are in it (a compiled step, 2 MiB pages)."""
+        sweep apart are in it (a compiled step, 2 MiB pages; a serving run's workload, rate and budget)."""
         options = ((f" compile={self.compile}" if self.compile != "none" else "") + (" hugepages" if self.hugepages else "")
                    + (f" repeat={self.repeat}" if self.repeat else ""))
+        if self.serving is not None:
+            workload, budget = self.serving.workload, self.serving.serving.kv_budget_bytes
+            rate = f" rate={workload.rate:g}/s" if workload.rate is not None and workload.arrival in ("poisson", "gamma") else ""
+            return (f"{self.strategy.variant} {self.model.name} serving {workload.name} {workload.arrival}{rate} "
+                    f"kv={budget / 2**20:.0f}MiB {self.device}/{self.dtype}{options}")
         return f"{self.strategy.variant} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 
@@ -167,5 +189,10 @@ def point_from_record(record: dict) -> Point:
     layout = strategy.get("layout")
     strategy["layout"] = CacheLayout(**layout) if layout is not None else None
     accuracy = AccuracyConfig(**record["accuracy"]) if "accuracy" in record else AccuracyConfig()
+    serving = record.get("serving")
+    if serving is not None:
+        scheduling = dict(serving["serving"])
+        scheduling["slo"] = SLOConfig(**scheduling["slo"])
+        serving = ServingSpec(WorkloadConfig(**serving["workload"]), ServingConfig(**scheduling), serving["workload_hash"])
     return Point(**{**record, "model": ModelConfig(**record["model"]), "strategy": StrategyChoice(**strategy),
-                    "timing": TimingConfig(**record["timing"]), "accuracy": accuracy})
+                    "timing": TimingConfig(**record["timing"]), "accuracy": accuracy, "serving": serving})

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.kernels.extension import Kernel, ops
-from harness.model.decoder import Block, RMSNorm, RotaryTable
+from harness.model.decoder import Block, RMSNorm, RotaryTable, SequencePositions
 from harness.model.swap import swap_modules
 
 # Rows up to which the C kernel runs: where it met oneDNN's packed linear on the CPU it was tuned on
@@ -107,7 +107,14 @@ class GemvBlock(nn.Module):
             return self.block(x, rope, cache, start_pos)
         n_heads, n_kv_heads = self.heads
         kernels = ops()
-        qkv = kernels.attention_input(x, *self.attention_weights, rope.cos, rope.sin, start_pos, n_heads, n_kv_heads)
+        if isinstance(start_pos, SequencePositions):
+            # Each sequence at its own position: the kernel ropes token t with row t of the tables it is
+            # given, so the batch goes in as the tokens of one row, with each sequence's own rows.
+            batch, tokens = x.shape[:2]
+            qkv = kernels.attention_input(x.view(1, batch * tokens, d_model), *self.attention_weights, start_pos.cos,
+                                          start_pos.sin, 0, n_heads, n_kv_heads).view(batch, tokens, n_heads + 2 * n_kv_heads, -1)
+        else:
+            qkv = kernels.attention_input(x, *self.attention_weights, rope.cos, rope.sin, start_pos, n_heads, n_kv_heads)
         q, k, v = qkv.split((n_heads, n_kv_heads, n_kv_heads), dim=2)  # [B, T, heads, D] each
         out = cache.attend(q, k, v, start_pos).contiguous()  # [B, T, H, D]
         kernels.attention_output_and_ffn_(x, out, *self.output_and_ffn_weights)

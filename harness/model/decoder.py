@@ -11,6 +11,7 @@ what is read. That one call is the seam every decode strategy plugs into.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -53,6 +54,17 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Optional[Mode
     return torch.where(medium, blended, stretched)
 
 
+@dataclass(frozen=True)
+class SequencePositions:
+    """Every sequence of a batch at a position of its own (a serving pool's decode step: one token per
+    sequence, harness.serve), and the RoPE rows of those positions, gathered once per forward pass
+    (RotaryTable.at) for every layer. The decoder hands it on as `start_pos` to each layer's cache."""
+
+    positions: torch.Tensor  # [B] int64: sequence b's new token sits at positions[b]
+    cos: torch.Tensor  # [B, D] the rotary table's rows at those positions
+    sin: torch.Tensor  # [B, D]
+
+
 class RotaryTable:
     """RoPE for positions [0, max_len), tables built once per decode session.
 
@@ -68,11 +80,19 @@ class RotaryTable:
         self.cos = angles.cos().repeat(1, 2).to(dtype)  # [max_len, D]: cos of pair i in columns i and i + D/2
         self.sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)  # [max_len, D]
 
-    def rotate(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Rotate x [B, T, heads, D] whose tokens sit at positions start_pos .. start_pos + T - 1."""
+    def at(self, positions: torch.Tensor) -> SequencePositions:
+        """Each sequence at its own position: positions [B] int64 -> their rows, for one forward pass."""
+        return SequencePositions(positions, self.cos[positions], self.sin[positions])
+
+    def rotate(self, x: torch.Tensor, start_pos: int | SequencePositions) -> torch.Tensor:
+        """Rotate x [B, T, heads, D] whose tokens sit at positions start_pos .. start_pos + T - 1, or, with
+        SequencePositions, x [B, 1, heads, D] whose sequence b's token sits at its own position."""
         batch, seq_len, heads, head_dim = x.shape
-        cos = self.cos[start_pos : start_pos + seq_len, None, :]  # [T, 1, D]
-        sin = self.sin[start_pos : start_pos + seq_len, None, :]
+        if isinstance(start_pos, SequencePositions):
+            cos, sin = start_pos.cos[:, None, None, :], start_pos.sin[:, None, None, :]  # [B, 1, 1, D]
+        else:
+            cos = self.cos[start_pos : start_pos + seq_len, None, :]  # [T, 1, D]
+            sin = self.sin[start_pos : start_pos + seq_len, None, :]
         swapped = x.view(batch, seq_len, heads, 2, head_dim // 2).flip(3).view(x.shape)  # (x2, x1)
         return torch.addcmul(x * cos, swapped, sin)
 
@@ -158,8 +178,11 @@ class Decoder(nn.Module):
         c = self.cfg
         return RotaryTable(c.resolved_head_dim, max_len, c.rope_theta, self.device, self.dtype, scaling=c)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int, caches: Sequence, rope: RotaryTable) -> torch.Tensor:
-        """tokens [B, T] at positions start_pos.. -> logits [B, vocab] of the last position only.
+    def forward(self, tokens: torch.Tensor, start_pos: int | SequencePositions, caches: Sequence,
+                rope: RotaryTable, every_position: bool = False) -> torch.Tensor:
+        """tokens [B, T] at positions start_pos.. (or [B, 1], each sequence at its own position:
+        SequencePositions) -> logits [B, vocab] of the last position only (every_position: [B, T, vocab],
+        a teacher-forced pass scoring each position).
 
         Prefill needs only the last position's logits to pick the next token, so the output head (the
         largest matmul of a small-batch step) runs on one position, not T.
@@ -167,4 +190,4 @@ class Decoder(nn.Module):
         h = self.tok_embeddings(tokens)  # [B, T, d_model]
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, rope, cache, start_pos)
-        return self.output(self.norm(h[:, -1]))  # [B, vocab]
+        return self.output(self.norm(h if every_position else h[:, -1]))  # [B, T, vocab] or [B, vocab]

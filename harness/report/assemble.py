@@ -27,6 +27,7 @@ from harness.report.tradeoff import ran_rows
 from harness.report.unread import UNREAD_COLUMNS
 from harness.report.verdicts import resolution_paragraph
 from harness.report.questions import answers
+from harness.report.serving import is_serving, serving_section
 from harness.analysis.results import DEFAULT_FALLBACK_HARDWARE, load
 
 REPORT_DIR = "_report"  # under results_dir: '_' so pandas.read_parquet(results_dir) skips it
@@ -191,6 +192,18 @@ def _every_row(table: pd.DataFrame) -> list[Block]:
         tables.rows_table(table)]
 
 
+def steps_only(table: pd.DataFrame) -> pd.DataFrame:
+    """The step measurements of a table, its serving runs left to their own section (its attrs kept)."""
+    steps = table[~is_serving(table)]
+    steps.attrs = dict(table.attrs)
+    return steps
+
+
+def folders_of(results_dir) -> list[Path]:
+    """The results folders a report reads: one, or a list of them."""
+    return [Path(f) for f in results_dir] if isinstance(results_dir, (list, tuple)) else [Path(results_dir)]
+
+
 def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
                  baseline: pd.DataFrame | None = None) -> list[Block]:
     """Every section, each built on its own (harness.report.guard): one that fails leaves its heading
@@ -204,6 +217,11 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         return blocks + [Paragraph(
             f"**No rows to report.** `{results_dir}` holds no readable `*.parquet` row. Measure some first, "
             f"e.g. `python -m harness.run +sweep=batch_ctx results_dir={results_dir}`.")] + _not_measured(table)
+    serving = ("Serving", lambda: serving_section(table, folders_of(results_dir), folder), True)
+    if is_serving(table).all():  # serving runs alone: no decode step to set against a prediction
+        return blocks + apart.built([serving, ("Rows and files not measured", lambda: _not_measured(table), False)],
+                                    len(table))
+    everything, table = table, steps_only(table)
     analytic = analytic_tables(table)  # the loader's step: every analytic figure beyond the rows' own columns
     groups = cohorts_of(table, analytic)
     sets_by_group = {g.slug: tables.equal_product_sets(g.ok) for g in groups}
@@ -233,7 +251,8 @@ def build_blocks(table: pd.DataFrame, results_dir: Path, folder: Path,
         ("What the roofline does not explain", lambda: overhead_section(groups, folder), True),
         ("What a KV cache buys and costs: the questions, answered", lambda: answers(table, groups, sets_by_group, analytic),
          False),
-        ("Rows and files not measured", lambda: _not_measured(table), False),
+        *([serving] if is_serving(everything).any() else []),
+        ("Rows and files not measured", lambda: _not_measured(everything), False),
     ]
     return blocks + apart.built(sections, len(table))
 

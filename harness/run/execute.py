@@ -26,7 +26,8 @@ from harness.run.isolation import run_inline, run_isolated
 from harness.run.metadata import git_commit, same_code
 from harness.run.row import build_row
 from harness.run.windows import MeasuredGroup
-from harness.store.files import finished_row, write_row
+from harness.serve.point import serve_point
+from harness.store.files import finished_row, write_requests, write_row
 
 log = logging.getLogger("harness")
 
@@ -117,6 +118,14 @@ def clock(seconds: float) -> str:
 def _outcome(row: dict) -> str:
     if row["status"] != "ok":
         return f"{row['status']}: {row['reason']}"
+    if row["workload"] is not None:
+        diverged = (f", {row['requests_diverged']} request(s) left the reference's tokens (first at token "
+                    f"{row['first_divergence_min']}, margin {row['divergence_margin_min']:.2g})"
+                    if row["requests_diverged"] else "")
+        return (f"ok, {row['serving_requests']} requests in {row['serving_duration_s']:.1f} s: "
+                f"{row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 "
+                f"{(row['tpot_p50_s'] or 0) * 1e3:.1f} ms, KV holding tokens {row['kv_utilization']:.0%} of taken, "
+                f"batch up to {row['running_batch_peak']}, {row['preemptions']} preemption(s){diverged}")
     step_ms = row["decode_step_s"] * 1e3
     interval = (f" [{row['decode_step_ci_low_s'] * 1e3:.2f}, {row['decode_step_ci_high_s'] * 1e3:.2f}]"
                 if row["decode_step_ci_low_s"] is not None else "")
@@ -210,11 +219,14 @@ def measure_planned_group(context: RunContext, group: PlannedGroup) -> MeasuredG
     return measure_timed(context, group.group_id, timed, to_write)
 
 
-def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set, write: bool = True) -> MeasuredGroup:
+def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set,
+                  write: bool = True) -> MeasuredGroup | None:
     """`timed` measured as one group, a row built for each; the rows of `to_write` written (unless not
     `write`: a second measurement, whose rows harness.run.windows writes or drops)."""
     first = timed[0]
     run = run_isolated if first.config.isolate else run_inline
+    if first.point.serving is not None:  # a serving run: a group of one, in its own process, without roofs
+        return _serve_timed(context, group_id, first, run, write)
     roofs = roofs_for(context, first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
     began = time.monotonic()
     request = GroupRequest(group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
@@ -230,6 +242,21 @@ def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set
         if write and job.point.key in to_write:
             _write(context, job, rows[-1], measured, seconds / len(to_write))
     return MeasuredGroup(group_id, timed, to_write, rows, seconds)
+
+
+def _serve_timed(context: RunContext, group_id: str, job, run, write: bool) -> None:
+    """A serving point served (harness.serve.point) and its row built; its per-request file written
+    first, then its row (the row is what makes the point finished, so a run killed between the two
+    serves it again). Nothing is handed back: a serving run has no decode steps for the slow-window
+    rule to set against other groups' (harness.run.windows)."""
+    began = time.monotonic()
+    measured = run(serve_point, job.point)
+    seconds = time.monotonic() - began
+    row = build_row(job.point, measured, None, context.parallelism)
+    if write:
+        if measured.get("requests"):
+            write_requests(job.config.results_dir, row, measured["requests"])
+        _write(context, job, row, measured, seconds)
 
 
 def _write(context: RunContext, job, row: dict, measured: dict, seconds: float | None) -> None:

@@ -86,7 +86,8 @@ def form_groups(jobs: list, interleave: str, repeats: int, seed: int) -> list[Pl
     index. A point that cannot fit (does_not_fit) stays alone: its row is a skipped one."""
     by_shape: dict[str, list] = {}
     for job in jobs:
-        alone = interleave == "none" or job.does_not_fit is not None
+        # a serving run is a process of its own: its iterations are not steps to interleave with others'
+        alone = interleave == "none" or job.does_not_fit is not None or job.point.serving is not None
         by_shape.setdefault(job.point.key if alone else job.point.group_key(), []).append(job)
     groups = []
     for repeat in range(repeats):

@@ -48,6 +48,7 @@ from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
 from harness.run.row import build_row
 from harness.run.variants import variant_of
+from harness.serve.checks import check_serving_config, check_serving_fits
 from harness.store.columns import SCHEMA
 
 CONFIG_DIR = str(config_dir())
@@ -257,10 +258,14 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
                           "how a sweep's points are grouped is one choice per command line: set it outside the sweep")
     try:
         validate_run(cfg, (lambda: True) if command.elsewhere else cuda_available)
+        workload = check_serving_config(cfg) if cfg.get("workload") is not None else None
         point = point_from_config(cfg, variant)
     except OmegaConfBaseException as error:  # a value that only fails when read (a missing field)
         raise composition_error(error) from None
     check_point(point)
+    if workload is not None:  # its requests against the model's context and the budget (harness.serve.checks)
+        check_serving_fits(cfg, point, workload)
+        return PlannedPoint(tuple(job), cfg, point, None)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
     return PlannedPoint(tuple(job), cfg, point, does_not_fit)
 

@@ -15,6 +15,9 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import AccuracyConfig, ConfigError, Point, StrategyChoice, TimingConfig, model_config_from
+from harness.config.point import ServingSpec
+from harness.config.schema import ServingConfig, SLOConfig, WorkloadConfig
+from harness.measure.prompts import content_hash
 from harness.config.texts import is_builtin_text
 from harness.measure.ncu import NCU_ENV, ncu_executable
 from harness.model import cpu_gemv
@@ -78,6 +81,20 @@ def resolve_strategy(strategy_cfg: dict, device: str, dtype: str, shape, prefill
                           layout=strategy.cache_layout(shape))
 
 
+def serving_spec(cfg) -> ServingSpec | None:
+    """A serving point's workload and scheduling as configured, with its trace's content hash; None for a
+    step measurement (no workload chosen)."""
+    if cfg.get("workload") is None:
+        return None
+    workload = WorkloadConfig(**OmegaConf.to_container(cfg.workload, resolve=True))
+    if workload.trace is not None:
+        workload = dataclasses.replace(workload, trace=str(Path(workload.trace).expanduser().resolve()))
+    scheduling = OmegaConf.to_container(cfg.serving, resolve=True)
+    serving = ServingConfig(**{**scheduling, "slo": SLOConfig(**scheduling["slo"])})
+    trace_hash = content_hash(workload.trace, None) if workload.trace is not None else None
+    return ServingSpec(workload, serving, trace_hash)
+
+
 def point_from_config(cfg, variant: str = "") -> Point:
     """Resolve a composed (and validated) config into a Point; `variant`: the strategy's name in rows
     (harness.run.variants; empty: the class's name). Raises ConfigError for what only the strategy,
@@ -106,6 +123,7 @@ def point_from_config(cfg, variant: str = "") -> Point:
     if scored is not None:
         accuracy_fits(model, dtype, device, cfg.ctx, scored)
     return Point(
+        serving=serving_spec(cfg),
         model=model,
         strategy=strategy,
         timing=TimingConfig(**OmegaConf.to_container(cfg.timing, resolve=True)),

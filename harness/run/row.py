@@ -12,7 +12,7 @@ from harness.analysis.predictions import ROOF_FREE, predict
 from harness.analysis.peak_memory import predicted_peak_bytes
 from harness.measure.contention import noise_reasons
 from harness.config import CacheLayout, Point
-from harness.config.point import COLUMN
+from harness.config.point import COLUMN, NULL_COLUMNS_OF
 from harness.run.metadata import run_metadata
 from harness.store.columns import COLUMN_NAMES, COLUMNS_BY_SOURCE, SCHEMA_VERSION
 
@@ -32,6 +32,8 @@ def flatten(obj, prefix: str = "") -> dict:
             row.update(_nested(value, field.name))
         elif value is None and field.name == "layout":  # no cache: the layout's columns stay null
             row.update({f"{CacheLayout.ROW_PREFIX}{f.name}": None for f in dataclasses.fields(CacheLayout)})
+        elif value is None and NULL_COLUMNS_OF in field.metadata:  # e.g. a step row's serving columns
+            row.update(dict.fromkeys(_nested(field.metadata[NULL_COLUMNS_OF](), field.name)))
         elif isinstance(value, dict):
             row[prefix + field.name] = json.dumps(value, sort_keys=True)
         else:
@@ -102,9 +104,15 @@ def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int =
     dropped); `roofs`: a harness.store.calibration.Calibration for the point's device and dtype, or None."""
     outcome = {**dict.fromkeys(COLUMNS_BY_SOURCE["measured"]), "traffic_source": "model",
                **{k: v for k, v in measured.items() if k in COLUMNS_BY_SOURCE["measured"]}}
-    row = {**flatten(point), **outcome, **model_columns(point)}
-    row.update(roof_columns(point, row, roofs))
-    row.update(noise_columns(row))
+    if point.serving is not None:  # a serving run: no decode step to predict or set against a roof
+        row = {**flatten(point), **outcome, **dict.fromkeys(COLUMNS_BY_SOURCE["model"]),
+               **dict.fromkeys(COLUMNS_BY_SOURCE["roofs"]), "weight_bytes": model_columns(point)["weight_bytes"]}
+        reasons = noise_reasons(row["contention"], None, None, {}) if row["status"] == "ok" else None
+        row.update(noisy=None if reasons is None else bool(reasons), noise_reason=None if reasons is None else "; ".join(reasons))
+    else:
+        row = {**flatten(point), **outcome, **model_columns(point)}
+        row.update(roof_columns(point, row, roofs))
+        row.update(noise_columns(row))
     row.update(run_metadata(sweep_parallelism), schema_version=SCHEMA_VERSION, timestamp=datetime.now(timezone.utc), point_key=point.key,
                config_json=json.dumps(point.record(), sort_keys=True))
     if set(row) != set(COLUMN_NAMES):

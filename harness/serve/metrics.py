@@ -84,7 +84,13 @@ def _goodput(records, duration: float, slo_ttft_s, slo_tpot_s) -> dict:
 
 
 def _iterations(outcome: ServingOutcome) -> dict:
+    """The iteration columns; null where the run recorded no iterations (an engine scheduling its own)."""
     iterations = outcome.iterations
+    if not iterations:
+        return dict.fromkeys(("iterations", "prefill_tokens_computed", "running_batch_peak", "running_batch_mean",
+                              "kv_taken_bytes_peak", "kv_taken_bytes_mean", "kv_holding_bytes_peak",
+                              "kv_holding_bytes_mean", "kv_utilization", "serving_timeline_s", "running_timeline",
+                              "kv_taken_timeline_bytes", "kv_holding_timeline_bytes"))
     times = np.asarray([i.end_s - i.start_s for i in iterations])
     running = np.asarray([i.running for i in iterations], dtype=np.float64)
     taken = np.asarray([i.taken_bytes for i in iterations], dtype=np.float64)

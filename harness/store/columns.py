@@ -16,7 +16,7 @@ import pyarrow as pa
 
 # The version of the column set below: raise it, and add a step to harness.store.upgrade, whenever a
 # column is added, renamed or changes meaning, so rows written before read as rows of today.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 T = pa.timestamp("us", tz="UTC")
@@ -90,6 +90,26 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("reference", S, "", "approximate strategies: the exact strategy and backend their accuracy columns are measured against (module.Class:backend)", "point"),
     ("interleave", S, "", "shape: timed in one process with the other points of its shape, steps interleaved round by round; none: timed alone", "point"),
     ("repeat", I, "", "which of the sweep's repeats= measurements of the point (0: the first); the report pools them", "point"),
+    # a serving run's point (harness.serve; null on a step row): the workload and how it was scheduled
+    ("workload_lengths", S, "", "where each request's lengths came from: sharegpt or alpaca (seeded lognormal draws around the vLLM paper's means), fixed, or trace", "point"),
+    ("workload_trace", S, "", "the trace file read (Azure CSV columns, or JSONL); null for a synthetic workload", "point"),
+    ("workload_requests", I, "requests", "requests in the workload (from a trace: its first this many)", "point"),
+    ("workload_prompt_len", I, "tokens", "lengths=fixed: every request's prompt", "point"),
+    ("workload_output_len", I, "tokens", "lengths=fixed: every request's output", "point"),
+    ("workload_length_scale", F, "", "every prompt and output length multiplied by this (rounded, at least 1); 1: the workload unscaled", "point"),
+    ("workload_max_tokens", I, "tokens", "the output each request asks for at most (outputs cut to it; a reservation holds prompt + max_tokens); null: each request's own length", "point"),
+    ("workload_arrival", S, "", "all_at_once, poisson, gamma, closed (a fixed concurrency) or trace", "point"),
+    ("workload_rate", F, "requests/s", "poisson and gamma: the request rate asked for", "point"),
+    ("workload_burstiness", F, "", "gamma: the inter-arrival times' shape (vLLM's --burstiness; 1 is Poisson)", "point"),
+    ("workload_concurrency", I, "requests", "closed: requests kept in flight", "point"),
+    ("workload", S, "", "the workload's name (conf/workload/); null for a step measurement", "point"),
+    ("serving_kv_budget_bytes", F, "B", "the KV cache's budget, by the strategy's own accounting (strategies/serving.py): reserved rows, blocks, quantized bytes or kept slots", "point"),
+    ("serving_prefill_chunk", I, "tokens", "prompt tokens prefilled per iteration at most (chunked prefill); null: whole prompts", "point"),
+    ("serving_max_batch", I, "sequences", "sequences running at once at most", "point"),
+    ("serving_slo_ttft_s", F, "s", "goodput's objective on time to first token; null: none", "point"),
+    ("serving_slo_tpot_s", F, "s", "goodput's objective on time per output token; null: none", "point"),
+    ("serving_check_tokens", B, "", "every served token was checked against the recompute reference after the run", "point"),
+    ("workload_hash", S, "", "the trace file's content hash; null for a synthetic workload", "point"),
     # outcome
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
@@ -187,6 +207,47 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("agreement_logit_rel", F, "", "agreement_logit_max_abs over the exact cache's largest |logit|", "measured"),
     ("agreement_logit_rel_bound", F, "", "the bound agreement_logit_rel must stay within, else the row fails untimed", "measured"),
     ("agreement_kl_mean_bound", F, "nats", "the bound logit_kl_mean over the accuracy windows must stay within, else the row fails", "measured"),
+    # a serving run (harness.serve): the field's metrics (harness.serve.metrics) and its KV memory
+    ("serving_placement", S, "", "how the strategy's serving pool places a sequence: arena (a contiguous run, reserved), blocks (paged) or separate (tensors of its own) (strategies/serving.py)", "measured"),
+    ("serving_reserves", B, "", "a sequence takes its whole reservation, prompt + max_tokens (or its kept slots), when admitted", "measured"),
+    ("serving_kv_bytes_per_token", I, "B", "KV bytes a token held takes in the strategy's accounting: K and V of every layer and KV head, scales and positions included", "measured"),
+    ("serving_kept_tokens", I, "tokens", "most tokens a sequence holds at once (an evicting cache's slots); null: every token", "measured"),
+    ("serving_requests", I, "requests", "requests served to their last token", "measured"),
+    ("serving_duration_s", F, "s", "first arrival to last output token", "measured"),
+    ("request_throughput", F, "requests/s", "requests served / serving_duration_s", "measured"),
+    ("output_throughput", F, "tokens/s", "output tokens / serving_duration_s", "measured"),
+    ("total_token_throughput", F, "tokens/s", "prompt and output tokens / serving_duration_s", "measured"),
+    *[(f"{name}_{stat}_s", F, "s", f"{meaning}: {said}", "measured")
+      for name, meaning in (("ttft", "time to first token, arrival to first output token"),
+                            ("tpot", "time per output token after the first, per request: (e2e - ttft) / (tokens - 1)"),
+                            ("itl", "inter-token latency, every gap between consecutive output tokens"),
+                            ("e2e", "end to end, arrival to last output token"))
+      for stat, said in (("mean", "mean"), ("p50", "median"), ("p90", "90th percentile"), ("p99", "99th percentile"))],
+    ("queue_wait_mean_s", F, "s", "arrival to first being scheduled, mean over requests", "measured"),
+    ("queue_wait_p99_s", F, "s", "arrival to first being scheduled, 99th percentile", "measured"),
+    ("normalized_latency_mean_s", F, "s/token", "per request e2e / output tokens, mean (the vLLM paper's latency axis)", "measured"),
+    ("goodput", F, "requests/s", "requests meeting every objective set (serving_slo_*) / serving_duration_s; null without one", "measured"),
+    ("slo_attainment", F, "", "share of requests meeting every objective set; null without one", "measured"),
+    ("preemptions", I, "", "times a running sequence's memory was taken back (its tokens recomputed later)", "measured"),
+    ("iterations", I, "", "iterations of the scheduler: each a set of prompt chunks and one decode step per running sequence", "measured"),
+    ("prefill_tokens_computed", I, "tokens", "prompt tokens computed, recomputation after preemption included", "measured"),
+    ("running_batch_peak", I, "sequences", "most sequences one iteration computed", "measured"),
+    ("running_batch_mean", F, "sequences", "sequences an iteration computed, time-weighted over the iterations", "measured"),
+    ("kv_taken_bytes_peak", I, "B", "most KV budget the admitted sequences took at once (reservations, blocks, slots)", "measured"),
+    ("kv_taken_bytes_mean", F, "B", "KV budget taken, time-weighted over the iterations", "measured"),
+    ("kv_holding_bytes_peak", I, "B", "most KV bytes holding tokens at once", "measured"),
+    ("kv_holding_bytes_mean", F, "B", "KV bytes holding tokens, time-weighted over the iterations", "measured"),
+    ("kv_utilization", F, "", "kv_holding_bytes_mean / kv_taken_bytes_mean: the share of taken KV memory holding tokens (the vLLM paper's measure)", "measured"),
+    ("serving_timeline_s", pa.list_(F), "s", "the end of each iteration of the timelines (at most 512, evenly picked)", "measured"),
+    ("running_timeline", pa.list_(I), "sequences", "the running batch at each of serving_timeline_s", "measured"),
+    ("kv_taken_timeline_bytes", pa.list_(I), "B", "the KV budget taken at each of serving_timeline_s", "measured"),
+    ("kv_holding_timeline_bytes", pa.list_(I), "B", "the KV bytes holding tokens at each of serving_timeline_s", "measured"),
+    ("tokens_checked", I, "tokens", "served output tokens checked against the recompute reference (harness.serve.exactness); null: not checked", "measured"),
+    ("requests_diverged", I, "requests", "requests whose served tokens left the recompute reference's greedy choice somewhere", "measured"),
+    ("first_divergence_min", I, "tokens", "the earliest output token (0-based) at which a request left the reference's choice; null: none did", "measured"),
+    ("divergence_margin_min", F, "logits", "smallest reference logit margin (its pick minus the served token) at a request's first divergence: float order near a tie where tiny", "measured"),
+    ("divergence_margin_max", F, "logits", "largest such margin: far above round-off in an exact strategy's row is a defect", "measured"),
+    ("reference_agreement", F, "", "share of served tokens equal to the reference's greedy pick, teacher-forced along the served tokens", "measured"),
     # the analytic model at this point
     ("weight_bytes", I, "B", "bytes of all weights", "model"),
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
@@ -225,6 +286,34 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("config_json", S, "JSON", "the resolved point, every field (harness.config.Point.record)", "run"),
 ]
 
+# A serving run's per-request file (<results_dir>/_requests/<the row's file name>): one row per request
+# (harness.serve.records.RequestRecord, harness.serve.exactness), written beside its run's row.
+REQUEST_COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
+    ("point_key", S, "", "the run's row (its point_key)"),
+    ("strategy", S, "", "the run's strategy variant"),
+    ("workload", S, "", "the run's workload name"),
+    ("workload_rate", F, "requests/s", "the run's request rate (poisson, gamma)"),
+    ("serving_kv_budget_bytes", F, "B", "the run's KV budget"),
+    ("request", I, "", "the request's index in the workload"),
+    ("arrival_s", F, "s", "when it arrived, from the run's start"),
+    ("prompt_len", I, "tokens", "its prompt"),
+    ("output_len", I, "tokens", "its output"),
+    ("max_tokens", I, "tokens", "the output it asked for at most"),
+    ("admitted_s", F, "s", "when it was first scheduled"),
+    ("queue_wait_s", F, "s", "admitted_s - arrival_s"),
+    ("ttft_s", F, "s", "arrival to its first output token"),
+    ("tpot_s", F, "s", "time per output token after the first; null for one token"),
+    ("e2e_s", F, "s", "arrival to its last output token"),
+    ("itl_s", pa.list_(F), "s", "every inter-token latency, in order"),
+    ("token_times_s", pa.list_(F), "s", "when each output token was produced, from the run's start"),
+    ("preemptions", I, "", "times its memory was taken back"),
+    ("output_tokens", pa.list_(I), "", "its output token ids"),
+    ("first_divergence", I, "tokens", "the first output token where it left the recompute reference's greedy choice; null: never (or not checked)"),
+    ("divergence_margin", F, "logits", "the reference's logit margin there (its pick minus the served token)"),
+    ("reference_agreement", F, "", "share of its output tokens equal to the reference's pick, teacher-forced"),
+]
+REQUEST_SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in REQUEST_COLUMNS])
+
 SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in COLUMNS])
 COLUMN_NAMES = [name for name, *_ in COLUMNS]
 COLUMNS_BY_SOURCE = {source: [c[0] for c in COLUMNS if c[4] == source] for source in ("point", "measured", "model", "roofs", "run")}
@@ -253,6 +342,12 @@ def columns_markdown() -> str:
         lines += [f"| `{name}` | {dtype} | {unit} | {meaning} |"
                   for name, dtype, unit, meaning, where in COLUMNS if where == source]
         lines.append("")
+    lines += ["## A serving run's per-request file", "",
+              "`<results_dir>/_requests/<the row's file name>`, one row per request, beside the run's row (a `_` folder:",
+              "`pandas.read_parquet(results_dir)` reads the rows alone, `pandas.read_parquet(results_dir + '/_requests')`",
+              "every run's requests).", "", "| column | type | unit | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {dtype} | {unit} | {meaning} |" for name, dtype, unit, meaning in REQUEST_COLUMNS]
+    lines.append("")
     return "\n".join(lines)
 
 

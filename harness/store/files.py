@@ -22,17 +22,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.files import write_whole
-from harness.store.columns import SCHEMA
+from harness.store.columns import REQUEST_SCHEMA, SCHEMA
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{16}")  # harness.config.point.Point.key
 KEY_IN_NAME = re.compile(r"__([0-9a-f]{16})\.parquet$")
 TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
 
 
+REQUESTS_DIR = "_requests"  # a serving run's per-request files, under results_dir ('_': pyarrow skips it)
+
+
 def row_filename(row: dict) -> str:
     """Named by the strategy's class (`strategy_family`), not its variant name: one point has one file
-    whichever variant name measured it (a variant and the same options set by hand share the key)."""
-    return f"{row['strategy_family']}__{row['model']}__b{row['batch']}__ctx{row['ctx']}__{row['point_key']}.parquet"
+    whichever variant name measured it (a variant and the same options set by hand share the key). A
+    serving run's is named by its workload instead of its batch and context."""
+    shape = f"serve-{row['workload']}" if row.get("workload") is not None else f"b{row['batch']}__ctx{row['ctx']}"
+    return f"{row['strategy_family']}__{row['model']}__{shape}__{row['point_key']}.parquet"
 
 
 @dataclass(frozen=True)
@@ -109,11 +114,28 @@ def write_row(results_dir: str | Path, row: dict) -> Path:
     return write_whole(folder / row_filename(row), lambda handle: pq.write_table(table, handle))
 
 
+def write_requests(results_dir: str | Path, row: dict, requests: list[dict]) -> Path:
+    """A serving run's per-request records (harness.store.columns.REQUEST_COLUMNS), one Parquet row each,
+    written atomically to <results_dir>/_requests/ under its row's file name."""
+    folder = Path(results_dir) / REQUESTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(requests, columns=[field.name for field in REQUEST_SCHEMA])
+    for field in REQUEST_SCHEMA:
+        if pa.types.is_integer(field.type):
+            frame[field.name] = frame[field.name].astype("Int64")
+        elif pa.types.is_floating(field.type):
+            frame[field.name] = frame[field.name].astype("float64")
+    table = pa.Table.from_pandas(frame, schema=REQUEST_SCHEMA, preserve_index=False)
+    return write_whole(folder / row_filename(row), lambda handle: pq.write_table(table, handle))
+
+
 def remove_stale_temporaries(results_dir: str | Path) -> list[Path]:
     """Delete temporary files left by writers that were killed (their process no longer exists)."""
     folder = Path(results_dir)
     removed = []
-    for path in folder.glob(".*.parquet.tmp-*") if folder.is_dir() else ():
+    temporaries = [*folder.glob(".*.parquet.tmp-*"), *(folder / REQUESTS_DIR).glob(".*.parquet.tmp-*")] \
+        if folder.is_dir() else []
+    for path in temporaries:
         match = TEMP_NAME.match(path.name)
         if match and not _process_alive(int(match.group(2))):
             path.unlink(missing_ok=True)

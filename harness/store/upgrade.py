@@ -38,7 +38,12 @@ def _to_version_1(rows: pd.DataFrame, old: pd.Series) -> None:
         rows.loc[alone, column] = perplexities[alone]
 
 
-STEPS = {0: _to_version_1}  # version -> the function bringing its rows to the next version
+def _to_version_2(rows: pd.DataFrame, old: pd.Series) -> None:
+    """Version 1 to 2: the serving run's columns were added (workload_*, serving_*, the serving metrics);
+    a row of version 1 is a step measurement, whose serving columns are null, as `complete` leaves them."""
+
+
+STEPS = {0: _to_version_1, 1: _to_version_2}  # version -> the function bringing its rows to the next version
 
 
 def upgrade(rows: pd.DataFrame) -> pd.DataFrame:

@@ -31,6 +31,8 @@ from strategies.caches import cpu_kernel
 from strategies.caches.attention import grouped_attention
 from strategies.base import CachedSession
 from strategies.caches.contiguous import ContiguousStrategy
+from strategies.caches.pools import PerSequencePool
+from strategies.serving import SEPARATE, SequenceMemory, kv_bytes_per_token
 
 
 class DynamicLayerCache:
@@ -95,6 +97,14 @@ class DynamicStrategy(ContiguousStrategy):
 
     def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(copies_per_step=True)
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """Exactly the tokens it holds, its own tables, grown by concatenation (the copy a step makes is
+        transient and not counted)."""
+        return SequenceMemory(kv_bytes_per_token(shape, dtype), SEPARATE)
+
+    def new_pool(self, model, memory, budget_bytes, max_len) -> PerSequencePool:
+        return PerSequencePool(self, model, max_len, self.kernel(model.device, model.dtype, model.cfg))
 
     def new_session(self, model, batch: int, max_len: int) -> DynamicSession:
         c = model.cfg

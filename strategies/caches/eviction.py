@@ -49,7 +49,9 @@ from strategies.backends import Backend
 from strategies.base import CachedSession, DecodeSession, Strategy, StrategyOptionError
 from strategies.caches.eviction_policies import POLICIES, SCORES, Policy
 from strategies.caches.eviction_store import FullWidthSlots, QuantizedSlots
-from strategies.caches.quantization import FORMATS, QuantSpec
+from strategies.caches.pools import PerSequencePool
+from strategies.caches.quantization import FORMATS, QuantSpec, payload_width
+from strategies.serving import SequenceMemory
 
 WEIGHTED_KERNEL = "torch matmul + softmax (weights kept for the policy's scores)"
 BACKENDS = (Backend("torch", f"{{policy}} eviction over the kept slots: {SDPA_KERNEL} or {WEIGHTED_KERNEL}"),)
@@ -264,6 +266,24 @@ class EvictionStrategy(Strategy):
     exact = False  # dropped tokens move the logits; the harness measures by how much
     graph_capturable = False  # each step's slot is chosen from its data, and the replay log is kept in Python
     backends = BACKENDS
+    chunked_prefill = False  # the policy chooses its tokens over the whole prompt, at position 0
+
+    def serving_unavailable(self) -> str | None:
+        return None
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """Its slots, min(budget + 1, prompt + max_tokens), taken at admission: K and V (and their scales),
+        an int32 position and an fp32 score per slot and KV head; per head the next free slot (int64) and
+        the sinks' original keys (in_cache positions)."""
+        heads, head_dim = shape.n_layers * shape.n_kv_heads, shape.resolved_head_dim
+        stored = (2 * head_dim * dtype.itemsize if self.spec is None else
+                  2 * payload_width(self.format, head_dim) + int(self.spec.scale_bytes_per_token(head_dim)))
+        sinks = self.policy.sinks * head_dim * dtype.itemsize if self.positions == "in_cache" else 0
+        return SequenceMemory(heads * (stored + 8), reserved=True, kept_tokens=self.policy.budget + 1,
+                              sequence_bytes=heads * (8 + sinks))
+
+    def new_pool(self, model, memory, budget_bytes, max_len) -> PerSequencePool:
+        return PerSequencePool(self, model, max_len, self.kernel(model.device, model.dtype, model.cfg))
 
     def __init__(self, backend: str = "auto", policy: str = "streaming", budget: int = 256, sinks: int = 4,
                  recent: int = 0, window: int = 32, kernel_size: int = 5, positions: str = "original",

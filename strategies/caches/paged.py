@@ -53,11 +53,14 @@ import torch
 
 from harness.config import CacheLayout
 from harness.kernels.extension import Kernel, ops
+from harness.model.decoder import SequencePositions
 from harness.model.random_fill import PIECE_ELEMENTS, uniform_like_normal_
 from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
+from strategies.caches.pools import SequencePool, grouped_kernel
+from strategies.serving import BLOCKS, SequenceMemory, kv_bytes_per_token
 
 BLOCK_ORDER_SEED = 0x9A6ED  # seeds the free list's shuffle: fixed, so every run lays blocks out alike
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # FlashAttention 2's paged KV needs page_block_size % 256 == 0
@@ -237,6 +240,77 @@ class PagedSession(CachedSession):
         self.length = length
 
 
+class BlockPool(SequencePool):
+    """Serving (strategies.caches.pools): every layer's pools of `n_blocks` blocks (the budget), head-major
+    as the `c` and `torch` backends keep them, and a block table row per sequence with the blocks
+    harness.serve.memory handed it, one more whenever its last block fills. A decode step writes each
+    sequence's token into its own block and reads each sequence's blocks in one call of the C kernel
+    with a length per sequence (`c`), or, with `torch`, gathers and attends to each sequence in turn."""
+
+    def __init__(self, model, n_blocks: int, block_size: int, max_len: int, use_c: bool, kernel: str):
+        super().__init__(model, max_len)
+        c = model.cfg
+        self.kernel, self.use_c, self.block_size = kernel, use_c, block_size
+        self.max_blocks = math.ceil(max_len / block_size)  # blocks the longest sequence takes
+        shape = (n_blocks, c.n_kv_heads, block_size, c.resolved_head_dim)
+        self.layers = [PagedPoolLayerCache(self, shape, model.device, model.dtype) for _ in range(c.n_layers)]
+        self.tables: dict = {}  # seq -> its block ids [max_blocks] int32 (entries past its blocks: 0, a valid id)
+        self.counts: dict = {}  # seq -> blocks it holds
+        self.block_table = self.lengths = self.blocks = self.offsets = None  # a pass's (before_*), per sequence
+
+    def place(self, seq, placement, reserve):
+        row = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.model.device)
+        row[:len(placement.ids)] = torch.tensor(placement.ids, dtype=torch.int32)
+        self.tables[seq], self.counts[seq] = row, len(placement.ids)
+
+    def release(self, seq):
+        del self.tables[seq], self.counts[seq]
+
+    def held_bytes(self, seq):
+        layer = self.layers[0]
+        return self.counts[seq] * (layer.k_pool[0].nbytes + layer.v_pool[0].nbytes) * len(self.layers)
+
+    def before_prefill(self, seq, start):
+        self.block_table = self.tables[seq][None]  # [1, max_blocks]
+
+    def before_decode(self, at):
+        self.block_table = torch.stack([self.tables[seq] for seq in self.batch])  # [B, max_blocks]
+        self.lengths = at.positions + 1
+        column = at.positions // self.block_size
+        self.blocks = self.block_table.gather(1, column[:, None])[:, 0].long()  # [B] the block each token goes to
+        self.offsets = at.positions % self.block_size  # [B] its row there
+
+
+class PagedPoolLayerCache:
+    """One layer of a BlockPool: its K and V pools [n_blocks, n_kv, block_size, D]."""
+
+    def __init__(self, pool: BlockPool, shape: tuple, device, dtype):
+        self.pool = pool
+        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)  # zeros: resident from the start
+        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
+
+    def attend(self, q, k, v, start_pos):
+        pool = self.pool
+        if not isinstance(start_pos, SequencePositions):  # one sequence's prompt chunk [1, T]
+            end = start_pos + q.shape[1]
+            positions = torch.arange(start_pos, end, device=q.device)
+            blocks = pool.block_table[0, positions // pool.block_size].long()
+            rows = positions % pool.block_size
+            self.k_pool.transpose(1, 2).index_put_((blocks, rows), k[0])  # token-major view <- [T, n_kv, D]
+            self.v_pool.transpose(1, 2).index_put_((blocks, rows), v[0])
+            return grouped_attention(q, gather_blocks(self.k_pool, pool.block_table, end),
+                                     gather_blocks(self.v_pool, pool.block_table, end), q_offset=start_pos)
+        self.k_pool[pool.blocks, :, pool.offsets] = k[:, 0]  # [B, n_kv, D]: each token into its own block
+        self.v_pool[pool.blocks, :, pool.offsets] = v[:, 0]
+        if pool.use_c:
+            return grouped_kernel(ops().ragged_paged_decode_attention, q, self.k_pool.shape[1], self.k_pool,
+                                  self.v_pool, pool.block_table, pool.lengths)
+        return torch.cat([grouped_attention(q[b:b + 1], gather_blocks(self.k_pool, pool.block_table[b:b + 1], length),
+                                            gather_blocks(self.v_pool, pool.block_table[b:b + 1], length),
+                                            q_offset=length - 1)
+                          for b, length in enumerate(pool.lengths.tolist())])
+
+
 class PagedStrategy(Strategy):
     name = "paged"
     backends = BACKENDS
@@ -254,6 +328,22 @@ class PagedStrategy(Strategy):
 
     def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(block_size=self.block_size)
+
+    def serving_unavailable(self) -> str | None:
+        if self.backend == "flash_attn":
+            return "flash_attn's paged kernel takes one cache_seqlens per call here; serving runs backend=c or torch"
+        return None
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """A block of block_size tokens of K and V in every layer, taken when the last one fills."""
+        return SequenceMemory(kv_bytes_per_token(shape, dtype), BLOCKS, block_tokens=self.block_size)
+
+    def new_pool(self, model, memory, budget_bytes, max_len) -> BlockPool:
+        use_c = self.session_backend(model).name == "c"
+        kernel = (f"{PAGED_KERNEL.name} ragged (a length per sequence) for decode steps, {GATHER_KERNEL} for prompts"
+                  if use_c else f"{GATHER_KERNEL}, one sequence at a time")
+        n_blocks = budget_bytes // (memory.bytes_per_token * self.block_size)
+        return BlockPool(model, n_blocks, self.block_size, max_len, use_c, kernel)
 
     def new_session(self, model, batch: int, max_len: int) -> PagedSession:
         c = model.cfg

@@ -44,6 +44,8 @@ from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, Strategy, StrategyOptionError
+from strategies.caches.quantized_pool import QuantizedArenaPool
+from strategies.serving import ARENA, SequenceMemory
 from strategies.caches.quantization import FORMATS, KEY_AXES, QuantSpec
 
 QUANTIZED_KERNEL = Kernel("cpu_quantized_attention.c")  # torch.ops.harness_kernels.quantized_decode_attention
@@ -285,6 +287,26 @@ class QuantizedStrategy(Strategy):
     def check_point(self, prefill: str, shape: ModelConfig, max_len: int) -> None:
         super().check_point(prefill, shape, max_len)
         self._check_shape(shape)
+
+    def serving_unavailable(self) -> str | None:
+        if self.spec.residual or self.spec.key_axis != "token":
+            return ("a quantized cache with a full-width window (residual) or channel-axis keys keeps per-sequence "
+                    "window state its serving pool does not hold yet; token-axis formats with residual=0 serve")
+        return None
+
+    def sequence_memory(self, shape, dtype) -> SequenceMemory:
+        """A reservation, as contiguous's, of quantized rows: K and V codes and their scales per token."""
+        head_dim = shape.resolved_head_dim
+        per_head = 2 * quantization.payload_width(self.spec.format, head_dim) + int(self.spec.scale_bytes_per_token(head_dim))
+        return SequenceMemory(shape.n_layers * shape.n_kv_heads * per_head, ARENA, reserved=True)
+
+    def new_pool(self, model, memory, budget_bytes, max_len) -> QuantizedArenaPool:
+        use_c = self.session_backend(model).name == "c"
+        kernel = self.kernel(model.device, model.dtype, model.cfg)
+        kernel = kernel.replace("for decode steps", "ragged (a length per sequence) for decode steps") if use_c \
+            else f"{kernel}, one sequence at a time"
+        code = format_code(self.spec.format) if use_c else None
+        return QuantizedArenaPool(model, budget_bytes // memory.bytes_per_token, max_len, self.spec, code, kernel)
 
     def new_session(self, model, batch: int, max_len: int) -> QuantizedSession:
         c = model.cfg

@@ -111,6 +111,10 @@ class StaticFullStrategy(Strategy):
     def options(self) -> dict:
         return {"max_len": self.max_len}
 
+    def serving_unavailable(self) -> str | None:
+        return ("static_full reads its whole preallocated table under a mask every step; its serving form (a "
+                "reservation read over every reserved row) is not built: contiguous serves the reservation")
+
     def cache_layout(self, shape=None) -> CacheLayout:
         return CacheLayout(reads_max_len=True, preallocated_tokens=self.max_len or 0)
 

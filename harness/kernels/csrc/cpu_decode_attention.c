@@ -118,3 +118,21 @@ void decode_attention(const float *q, const float *k, const int64_t *k_strides, 
     }
     free(partial);
 }
+
+/* A ragged batch over one shared table (a serving pool's arena, strategies/caches/contiguous.py): each
+ * sequence at its own length. q, out: [B, n_kv, G, D] contiguous. k, v: [n_kv, S, D] with element
+ * strides k_strides/v_strides (2 each: head, row; rows contiguous); sequence b's keys are the rows
+ * starts[b] .. starts[b] + lengths[b] - 1. One task per (sequence, KV head), as the batched kernel's,
+ * through the same attend_pair; never split (each pair's rows in one pass, whatever the batch), and
+ * handed out one at a time, since the pairs' lengths differ. */
+void ragged_decode_attention(const float *q, const float *k, const int64_t *k_strides, const float *v,
+                             const int64_t *v_strides, const int64_t *starts, const int64_t *lengths, float *out,
+                             int64_t batch, int64_t n_kv, int64_t group, int64_t dim, float scale, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < batch * n_kv; task++) {
+        int64_t b = task / n_kv, h = task % n_kv;
+        kv_rows rows = {k + h * k_strides[0] + starts[b] * k_strides[1], v + h * v_strides[0] + starts[b] * v_strides[1],
+                        k_strides[1], v_strides[1], NULL, 0, 0, 0};
+        attend_pair(q + task * group * dim, &rows, out + task * group * dim, group, lengths[b], lengths[b], dim, scale);
+    }
+}

@@ -103,3 +103,20 @@ void paged_decode_attention(const float *q, const float *k_pool, const int64_t *
                        scale);
     }
 }
+
+/* A ragged batch over the pool (a serving pool, strategies/caches/paged.py): sequence b reads its
+ * positions 0..lengths[b]-1 through its row of the block table. One task per (sequence, KV head)
+ * through attend_pair (the fixed-width path at head dimensions 64 and 128, one lane of the generic
+ * path at others), handed out one at a time, since the pairs' lengths differ. */
+void ragged_paged_decode_attention(const float *q, const float *k_pool, const int64_t *k_strides, const float *v_pool,
+                                   const int64_t *v_strides, const int32_t *block_table, int64_t table_stride,
+                                   const int64_t *lengths, float *out, int64_t batch, int64_t n_kv, int64_t group,
+                                   int64_t block_size, int64_t dim, float scale, int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < batch * n_kv; task++) {
+        kv_rows rows = pair_rows(task, k_pool, k_strides, v_pool, v_strides, block_table, table_stride, n_kv,
+                                 block_size);
+        int64_t length = lengths[task / n_kv];
+        attend_pair(q + task * group * dim, &rows, out + task * group * dim, group, length, length, dim, scale);
+    }
+}

@@ -594,3 +594,25 @@ void quantize_rows(const float *x, const int64_t *x_strides, int64_t batch, int6
             }
 }
 #pragma GCC pop_options
+
+/* A ragged batch over one shared quantized table (a serving pool's arena, strategies/caches/quantized.py;
+ * token-axis scales, no window): q, out [B, n_kv, G, D] fp32 contiguous; payloads [1, n_kv, S, W] and
+ * scales [1, n_kv, S, D / span] with strides as above; sequence b's tokens are the rows starts[b] ..
+ * starts[b] + lengths[b] - 1. Each (sequence, KV head) through attend_one, as the batched kernel's. */
+void ragged_quantized_decode_attention(const float *q, quantized_table keys, quantized_table values,
+                                       const int64_t *starts, const int64_t *lengths, float *out, int64_t batch,
+                                       int64_t n_kv, int64_t group, int64_t dim, int format, int64_t span, float scale,
+                                       int threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t pair = 0; pair < batch * n_kv; pair++) {
+        int64_t b = pair / n_kv, h = pair % n_kv;
+        Task task = {rows_of(keys, 0, h), rows_of(values, 0, h), NULL, NULL};
+        QuantizedRows *tables[2] = {&task.keys, &task.values};
+        for (int t = 0; t < 2; t++) {
+            tables[t]->payload += starts[b] * tables[t]->row;
+            tables[t]->scales += starts[b] * tables[t]->scale_row;
+        }
+        const Call call = {format, span, 0, lengths[b], 0, 0, group, dim, scale};
+        attend_one(q + pair * group * dim, &task, &call, out + pair * group * dim);
+    }
+}

@@ -37,6 +37,18 @@ void paged_decode_attention(const float *q, const float *k_pool, const int64_t *
                             int64_t batch, int64_t n_kv, int64_t group, int64_t length, int64_t block_size,
                             int64_t dim, float scale, int threads);
 
+/* Ragged batches (a serving pool's sequences, each at its own length): q, out [B, n_kv, G, D]. The
+ * contiguous one reads one shared table k, v [n_kv, S, D] (strides: head, row), sequence b at rows
+ * starts[b] .. starts[b] + lengths[b] - 1; the paged one reads lengths[b] positions through row b of
+ * the block table. (The quantized one is declared below its table type.) */
+void ragged_decode_attention(const float *q, const float *k, const int64_t *k_strides, const float *v,
+                             const int64_t *v_strides, const int64_t *starts, const int64_t *lengths, float *out,
+                             int64_t batch, int64_t n_kv, int64_t group, int64_t dim, float scale, int threads);
+void ragged_paged_decode_attention(const float *q, const float *k_pool, const int64_t *k_strides, const float *v_pool,
+                                   const int64_t *v_strides, const int32_t *block_table, int64_t table_stride,
+                                   const int64_t *lengths, float *out, int64_t batch, int64_t n_kv, int64_t group,
+                                   int64_t block_size, int64_t dim, float scale, int threads);
+
 /* cpu_quantized_attention.c: attention over a quantized cache and its fp32 window, and the write side.
  * A quantized table (K or V) of every (sequence, KV head): */
 typedef struct {
@@ -49,6 +61,12 @@ void quantized_decode_attention(const float *q, quantized_table keys, quantized_
                                 const float *v_window, const int64_t *window_strides, float *out, int64_t batch,
                                 int64_t n_kv, int64_t group, int64_t quantized_length, int64_t window_length,
                                 int64_t dim, int format, int64_t span, int64_t key_block, float scale, int threads);
+/* A ragged batch over one shared table [1, n_kv, S, W] (token-axis scales, no window): sequence b's
+ * tokens are the rows starts[b] .. starts[b] + lengths[b] - 1. */
+void ragged_quantized_decode_attention(const float *q, quantized_table keys, quantized_table values,
+                                       const int64_t *starts, const int64_t *lengths, float *out, int64_t batch,
+                                       int64_t n_kv, int64_t group, int64_t dim, int format, int64_t span, float scale,
+                                       int threads);
 void quantize_rows(const float *x, const int64_t *x_strides, int64_t batch, int64_t n_kv, int64_t n, int64_t dim,
                    int format, int64_t span, uint8_t *payload, const int64_t *payload_strides, float *scales,
                    const int64_t *scale_strides, int64_t start);
