@@ -17,7 +17,8 @@ from harness.serve.metrics import summary
 from harness.serve.records import VirtualClock
 from harness.serve.scheduler import serve
 from harness.serve.simulation import FittedStepTime, RoofStepTime, SimulatedExecutor, simulate
-from harness.serve.step_fit import FEATURES, STEP_FEATURES, FitError, Observation, feature_vector, fit, nnls
+from harness.serve.step_fit import (FEATURES, FitError, Observation, feature_vector, fit, iteration_features, nnls,
+                                    pass_features)
 from harness.serve.step_observations import IterationRecorder, serving_observations, step_observations
 from harness.serve.workload import Request, Workload
 from strategies.serving import ARENA, BLOCKS, SequenceMemory
@@ -71,40 +72,61 @@ def test_the_nodes_kv_budget_holds_the_capacity_plans_tokens():
         == plan.max_tokens
 
 
-def _observed(coefficients: dict, rows: int, seed: int = 0, names=FEATURES) -> list[Observation]:
+SPLIT = 16  # the linears' row split of the synthetic runs
+
+TRUE = {"iteration": 2e-4, "passes": 1.2e-2, "rows": 1.6e-3, "wide_passes": 5e-2, "wide_rows": 1.4e-3,
+        "decodes": 5e-5, "decode_keys": 2e-8, "prefill_pairs": 1e-9}
+
+
+def _observed(coefficients: dict, count: int, seed: int = 0, prefill: bool = True) -> list[Observation]:
+    """Iterations of random decodes and chunks, timed by `coefficients`."""
     rng = np.random.default_rng(seed)
     observations = []
-    for _ in range(rows):
-        counts = {"iteration": 1, "decode_pass": rng.integers(0, 2), "chunks": rng.integers(0, 3),
-                  "decodes": rng.integers(0, 40), "decode_keys": rng.integers(0, 9000),
-                  "prefill_tokens": rng.integers(0, 500), "prefill_pairs": rng.integers(0, 90000)}
-        vector = feature_vector(**{name: counts[name] for name in names})
-        observations.append(Observation(tuple(vector.tolist()), float(np.dot(vector, [coefficients.get(n, 0) for n in FEATURES]))))
+    for _ in range(count):
+        decodes = int(rng.integers(0, 40))
+        chunks = [int(t) for t in rng.integers(1, 300, int(rng.integers(0, 3)))] if prefill else []
+        if not decodes and not chunks:
+            decodes = 1
+        passes = ([decodes] if decodes else []) + chunks
+        vector = feature_vector(iteration=1, **pass_features(passes, SPLIT), decodes=decodes,
+                                decode_keys=decodes * int(rng.integers(1, 500)),
+                                prefill_pairs=sum(t * (t + 1) // 2 for t in chunks))
+        observations.append(Observation(tuple(vector.tolist()), float(np.dot(vector, [coefficients[n] for n in FEATURES]))))
     return observations
 
 
-TRUE = {"iteration": 2e-4, "decode_pass": 3e-3, "chunks": 1e-3, "decodes": 5e-5, "decode_keys": 2e-8,
-        "prefill_tokens": 4e-5, "prefill_pairs": 1e-9}
-
-
 def test_the_fit_recovers_the_costs_that_made_the_times():
-    fitted = fit(_observed(TRUE, 200), "synthetic")
+    fitted = fit(_observed(TRUE, 300), "synthetic")
     for name in FEATURES:
         assert fitted.coefficients[name] == pytest.approx(TRUE[name], rel=1e-6)
     assert fitted.residual_p90 < 1e-9 and fitted.total_ratio == pytest.approx(1)
-    assert fitted.observations == 200 and fitted.source == "synthetic"
+    assert fitted.observations == 300 and fitted.source == "synthetic"
+    assert fitted.unobserved == () and fitted.merged == ()
 
 
-def test_a_fit_says_what_the_rows_lack():
-    no_prefill = _observed(TRUE, 200, names=("iteration", "decode_pass", "decodes", "decode_keys"))
-    with pytest.raises(FitError, match="nothing observed computes chunks, prefill_tokens, prefill_pairs; the rows need prompts"):
-        fit(no_prefill, "rows")
-    one_batch = [Observation(tuple(feature_vector(decode_pass=1, decodes=4, decode_keys=4 * c).tolist()), 1e-3 + c * 1e-7)
-                 for c in (100, 200, 400)]
-    with pytest.raises(FitError, match="decode_pass, decodes vary together in all 3 observations"):
-        fit(one_batch, "rows", features=("decode_pass", "decodes", "decode_keys"))
+def test_a_fit_merges_what_its_observations_cannot_tell_apart_and_refuses_what_they_never_saw():
+    decoding = fit(_observed(TRUE, 200, prefill=False), "rows")
+    assert "prefill_pairs" in decoding.unobserved
+    chunk = feature_vector(iteration=1, **pass_features([40], SPLIT), prefill_pairs=820)
+    with pytest.raises(FitError, match="nothing observed computes prefill_pairs, which the replay needs; the rows "
+                                       r"need prompts computed \(prefill=compute\)"):
+        decoding.seconds(chunk)
+    # one pass each, one decode per row: iteration, passes and decodes go together with rows
+    steps = [Observation(tuple(feature_vector(**pass_features([b], SPLIT), decodes=b, decode_keys=b * c).tolist()),
+                         1e-2 + 2e-3 * b + 1e-7 * b * c) for b in (1, 4, 8) for c in (100, 400)]
+    merged = fit(steps, "steps")
+    assert merged.merged == ("decodes",)
+    assert merged.residual_p90 < 1e-9
     with pytest.raises(FitError, match="no observation"):
         fit([], "rows")
+
+
+def test_a_fit_that_cannot_be_made_says_why():
+    # every observation n narrow passes of 4 rows beside n wide ones of 40: no row cost can be told from the other
+    alike = [Observation(tuple(feature_vector(passes=n, rows=4 * n, wide_passes=n, wide_rows=40 * n).tolist()), 0.1 * n)
+             for n in (1, 2, 3, 4)]
+    with pytest.raises(FitError, match="rows, wide_rows vary together in all 4 observations"):
+        fit(alike, "rows")
 
 
 def test_nnls_is_the_best_non_negative_solution():
@@ -136,8 +158,7 @@ class LinearExecutor:
         pass
 
     def run(self, iteration):
-        from harness.serve.step_fit import iteration_features
-        return float(np.dot(iteration_features(iteration, self.layout), [TRUE[n] for n in FEATURES]))
+        return float(np.dot(iteration_features(iteration, self.layout, SPLIT), [TRUE[n] for n in FEATURES]))
 
 
 def _workload(count=40, gap=0.02, seed=1):
@@ -153,10 +174,10 @@ def test_a_replay_at_the_fitted_step_time_reproduces_the_run_it_was_fitted_from(
     clock = VirtualClock()
     recorder = IterationRecorder(LinearExecutor(layout), layout, clock)
     measured = serve(work, KVMemory(memory, budget), recorder, clock, prefill_chunk=32, max_batch=16)
-    observations = serving_observations(recorder.table())
+    observations = serving_observations(recorder.table(), SPLIT)
     assert len(observations) >= len(measured.iterations) - 3  # only cycles where every sequence left are unobserved
     fitted = fit(observations, "the run's iterations")
-    replayed = simulate(work, KVMemory(memory, budget), FittedStepTime(fitted, layout), prefill_chunk=32, max_batch=16)
+    replayed = simulate(work, KVMemory(memory, budget), FittedStepTime(fitted, layout, SPLIT), prefill_chunk=32, max_batch=16)
     for ours, theirs in zip(replayed.requests, measured.requests):
         assert ours.token_times_s == pytest.approx(theirs.token_times_s, rel=1e-6, abs=1e-9)
     assert replayed.preemptions == measured.preemptions
@@ -165,17 +186,18 @@ def test_a_replay_at_the_fitted_step_time_reproduces_the_run_it_was_fitted_from(
 
 def test_step_rows_fit_the_decode_and_prefill_costs():
     rows = []
-    for batch, ctx in itertools.product((1, 4, 16), (64, 256, 1024)):
+    for batch, ctx in itertools.product((1, 4, 16, 32), (64, 256, 1024)):
         steps = 8
         keys = batch * (ctx + 1 + ctx + steps) / 2
+        step_passes = ("passes", "rows") if batch <= SPLIT else ("wide_passes", "wide_rows")
         rows.append({"batch": batch, "ctx": ctx, "decode_tokens": steps,
-                     "decode_step_s": 3e-3 + 5e-5 * batch + 2e-8 * keys,
-                     "prefill_s": 1e-3 * batch + 4e-5 * batch * ctx + 1e-9 * batch * ctx * (ctx + 1) / 2})
-    fitted = fit(step_observations(pd.DataFrame(rows), CONTIGUOUS), "step rows", STEP_FEATURES)
-    expected = {"decode_pass": 3e-3, "decodes": 5e-5, "decode_keys": 2e-8, "chunks": 1e-3, "prefill_tokens": 4e-5,
-                "prefill_pairs": 1e-9, "iteration": 0.0}
+                     "decode_step_s": TRUE[step_passes[0]] + TRUE[step_passes[1]] * batch + 2e-8 * keys,
+                     "prefill_s": TRUE["wide_passes"] + TRUE["wide_rows"] * batch * ctx + 1e-9 * batch * ctx * (ctx + 1) / 2})
+    fitted = fit(step_observations(pd.DataFrame(rows), CONTIGUOUS, SPLIT), "step rows")
+    expected = {**TRUE, "iteration": 0.0, "decodes": 0.0, "decode_keys": 2e-8}
     for name, value in expected.items():
         assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6, abs=1e-15)
+    assert fitted.merged == ("iteration",) and fitted.unobserved == ()  # one pass a step: its fixed cost is the pass's
 
 
 def test_with_a_budget_that_binds_paging_serves_more_at_once_at_the_roof():

@@ -30,13 +30,14 @@ class StepTime(Protocol):
 
 
 class FittedStepTime:
-    """A StepFit's time for the iterations of a strategy whose cache is `layout`."""
+    """A StepFit's time for the iterations of a strategy whose cache is `layout`, its linears splitting
+    at `row_split` rows (harness.serve.step_fit)."""
 
-    def __init__(self, fitted: StepFit, layout: Layout):
-        self.fitted, self.layout = fitted, layout
+    def __init__(self, fitted: StepFit, layout: Layout, row_split: Optional[int]):
+        self.fitted, self.layout, self.row_split = fitted, layout, row_split
 
     def seconds(self, iteration: Iteration) -> float:
-        return self.fitted.seconds(iteration_features(iteration, self.layout))
+        return self.fitted.seconds(iteration_features(iteration, self.layout, self.row_split))
 
 
 class RoofStepTime:

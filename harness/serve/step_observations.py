@@ -1,41 +1,43 @@
 """The observations a step time is fitted from (harness.serve.step_fit), from either source:
 
 - a measured serving run's iterations, recorded as they run by `IterationRecorder`, which wraps the
-  run's executor: every iteration's FEATURES, the seconds the executor took, and its cycle, from its
-  start to the next one's (what the scheduler did between them included: the time a simulation must
-  give each iteration). A cycle during which every sequence left (the loop may then have waited for
-  the next arrival) is not observed;
-- step points of the same strategy (harness.analysis.results.load's rows): a decode step of `batch`
-  sequences over ctx .. ctx + decode_tokens - 1 (decode_step_s, its keys the mean over those steps),
-  and the prompt of `batch` sequences of ctx tokens computed in one pass (prefill_s).
-Pure: numpy and pandas.
+  run's executor. Its log (LOG_COLUMNS, one row an iteration) keeps what the features are made of:
+  the sequences decoding and the keys they attended, each prompt chunk's tokens and its attention's
+  pairs; the seconds the executor took; and the iteration's cycle, from its start to the next one's
+  (what the scheduler did between them included: the time a simulation must give each iteration). A
+  cycle during which every sequence left (the loop may then have waited for the next arrival) is not
+  observed;
+- step points of the same strategy (harness.analysis.results.load's rows), each step an iteration of
+  one pass: a decode step of `batch` sequences over ctx .. ctx + decode_tokens - 1 (decode_step_s; its
+  keys the mean over those steps), and the prompt of `batch` sequences of ctx tokens computed in one
+  pass of batch x ctx rows (prefill_s). One pass each: an iteration's fixed cost merges into a pass's.
+Pure: pandas.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
 from harness.analysis.analytic import Layout, causal_pairs
-from harness.analysis.cache_terms import summed_attended_keys
+from harness.analysis.cache_terms import attended_keys, summed_attended_keys
 from harness.serve.memory import Placement
 from harness.serve.records import Executor, Iteration
-from harness.serve.step_fit import FEATURES, Observation, feature_vector, iteration_features
+from harness.serve.step_fit import Observation, feature_vector, pass_features
 
-LOG_COLUMNS = (*FEATURES, "run_s", "cycle_s")  # an iteration log's columns, one row an iteration
+LOG_COLUMNS = ("decodes", "decode_keys", "chunk_tokens", "prefill_pairs", "run_s", "cycle_s")  # an iteration log's
 
 
 class IterationRecorder:
-    """An executor that runs another and records every iteration (the module docstring). `clock` is
-    the run's clock (harness.serve.records.WallClock), read at each iteration's start."""
+    """An executor that runs another and logs every iteration (the module docstring). `clock` is the
+    run's clock (harness.serve.records.WallClock), read at each iteration's start."""
 
     def __init__(self, executor: Executor, layout: Layout, clock):
         self.executor, self.layout, self.clock = executor, layout, clock
         self.held: set[int] = set()  # sequences holding memory now
-        self.emptied = False  # every sequence left since the last iteration
-        self.rows: list[list[Optional[float]]] = []
+        self.emptied = False  # every sequence left since the last iteration began
+        self.rows: list[list] = []
         self.started: Optional[float] = None  # the last iteration's start
 
     def place(self, seq: int, placement: Placement) -> None:
@@ -53,7 +55,10 @@ class IterationRecorder:
             self.rows[-1][-1] = None if self.emptied else now - self.started
         self.started, self.emptied = now, False
         seconds = self.executor.run(iteration)
-        self.rows.append([*iteration_features(iteration, self.layout), float(seconds), None])
+        keys = sum(attended_keys(position, position + 1, self.layout) for position in iteration.positions)
+        self.rows.append([len(iteration.decodes), keys, [chunk.tokens for chunk in iteration.prefills],
+                          sum(causal_pairs(chunk.start, chunk.tokens) for chunk in iteration.prefills),
+                          float(seconds), None])
         return seconds
 
     def table(self) -> dict[str, list]:
@@ -61,25 +66,33 @@ class IterationRecorder:
         return {name: [row[i] for row in self.rows] for i, name in enumerate(LOG_COLUMNS)}
 
 
-def serving_observations(log: dict) -> list[Observation]:
-    """The observed cycles of an iteration log (IterationRecorder.table, or the columns read back)."""
-    features = np.column_stack([np.asarray(log[name], dtype=np.float64) for name in FEATURES])
-    cycles = [math.nan if value is None else float(value) for value in log["cycle_s"]]
-    return [Observation(tuple(row), cycle) for row, cycle in zip(features.tolist(), cycles)
-            if math.isfinite(cycle) and cycle > 0]
+def serving_observations(log: dict, row_split: Optional[int]) -> list[Observation]:
+    """The observed cycles of an iteration log (IterationRecorder.table, or its columns read back), for
+    linears that split at `row_split` rows."""
+    observations = []
+    for decodes, keys, chunks, pairs, cycle in zip(log["decodes"], log["decode_keys"], log["chunk_tokens"],
+                                                   log["prefill_pairs"], log["cycle_s"]):
+        if cycle is None or not math.isfinite(cycle) or cycle <= 0:
+            continue
+        passes = ([int(decodes)] if decodes else []) + [int(tokens) for tokens in chunks]
+        vector = feature_vector(iteration=1, **pass_features(passes, row_split), decodes=decodes, decode_keys=keys,
+                                prefill_pairs=pairs)
+        observations.append(Observation(tuple(vector.tolist()), float(cycle)))
+    return observations
 
 
-def step_observations(rows: pd.DataFrame, layout: Layout) -> list[Observation]:
+def step_observations(rows: pd.DataFrame, layout: Layout, row_split: Optional[int]) -> list[Observation]:
     """A decode step and a prompt from each measured step row (the module docstring)."""
     observations = []
     for row in rows.itertuples(index=False):
         batch, ctx, steps = int(row.batch), int(row.ctx), max(int(row.decode_tokens), 1)
         if _measured(row.decode_step_s):
             keys = batch * summed_attended_keys(ctx, steps, layout) / steps
-            step = feature_vector(decode_pass=1, decodes=batch, decode_keys=keys)
+            step = feature_vector(iteration=1, **pass_features([batch], row_split), decodes=batch, decode_keys=keys)
             observations.append(Observation(tuple(step.tolist()), float(row.decode_step_s)))
         if _measured(getattr(row, "prefill_s", None)):
-            prompt = feature_vector(chunks=batch, prefill_tokens=batch * ctx, prefill_pairs=batch * causal_pairs(0, ctx))
+            prompt = feature_vector(iteration=1, **pass_features([batch * ctx], row_split),
+                                    prefill_pairs=batch * causal_pairs(0, ctx))
             observations.append(Observation(tuple(prompt.tolist()), float(row.prefill_s)))
     return observations
 
