@@ -27,6 +27,7 @@ from harness.serve.executor import DecoderExecutor, request_prompts
 from harness.serve.memory import KVMemory
 from harness.serve.records import WallClock
 from harness.serve.scheduler import serve
+from harness.serve.step_observations import IterationRecorder
 from harness.serve.workload import Workload, build_workload
 from strategies.base import StrategyUnavailable
 
@@ -36,7 +37,8 @@ TIMING_METHOD = "perf_counter around each iteration (CUDA: synchronized), arriva
 
 def serve_point(point: Point) -> dict:
     """The measured dict of a serving point (harness.run.row makes it a row); its `requests` entry (not a
-    column) holds one dict per request for the per-request file."""
+    column) holds one dict per request for the per-request file, its `iterations_log` the iteration log
+    (harness.serve.step_observations) for the iterations file."""
     with torch.inference_mode():
         try:
             return _serve(point)
@@ -80,8 +82,10 @@ def _serve(point: Point) -> dict:
     prompts = request_prompts(workload, ids, model.cfg.vocab_size, point.seed, device)
     executor = DecoderExecutor(pool, workload, prompts, device)
     _warm_up(pool, memory, prompts[0], device)
+    clock = WallClock()
+    recorder = IterationRecorder(executor, point.strategy.layout, clock)  # the log a simulation's step time is fitted from
     began = CpuTimes.now()
-    outcome = serve(workload, memory, executor, WallClock(), spec.serving.prefill_chunk, spec.serving.max_batch)
+    outcome = serve(workload, memory, recorder, clock, spec.serving.prefill_chunk, spec.serving.max_batch)
     contention = others_fraction_since(began)
     measured = {"status": "ok", "reason": "", "kernel": pool.kernel, "matmul_kernel": MATMUL_KERNELS[point.matmul],
                 "compile_mode": "eager", "device_name": device_name(device), "timing_method": TIMING_METHOD,
@@ -93,6 +97,7 @@ def _serve(point: Point) -> dict:
     if checks is not None:
         measured.update(exactness.summary(checks, executor.outputs))
     measured["requests"] = request_rows(point, workload, outcome, executor.outputs, checks)
+    measured["iterations_log"] = recorder.table()
     return measured
 
 

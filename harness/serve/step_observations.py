@@ -25,8 +25,9 @@ from harness.analysis.cache_terms import attended_keys, summed_attended_keys
 from harness.serve.memory import Placement
 from harness.serve.records import Executor, Iteration
 from harness.serve.step_fit import Observation, feature_vector, pass_features
+from harness.store.columns import ITERATION_COLUMNS
 
-LOG_COLUMNS = ("decodes", "decode_keys", "chunk_tokens", "prefill_pairs", "run_s", "cycle_s")  # an iteration log's
+LOG_COLUMNS = tuple(name for name, *_ in ITERATION_COLUMNS)  # an iteration log's, as its file stores them
 
 
 class IterationRecorder:

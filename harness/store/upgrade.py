@@ -39,8 +39,9 @@ def _to_version_1(rows: pd.DataFrame, old: pd.Series) -> None:
 
 
 def _to_version_2(rows: pd.DataFrame, old: pd.Series) -> None:
-    """Version 1 to 2: the serving run's columns were added (workload_*, serving_*, the serving metrics);
-    a row of version 1 is a step measurement, whose serving columns are null, as `complete` leaves them."""
+    """Version 1 to 2: the serving run's columns were added (workload_*, serving_*, the serving metrics,
+    the simulation's simulated, simulates_point_key and step_fit_*); a row of version 1 is a step
+    measurement, whose serving columns are null, as `complete` leaves them."""
 
 
 STEPS = {0: _to_version_1, 1: _to_version_2}  # version -> the function bringing its rows to the next version
