@@ -31,6 +31,7 @@ from harness.measure.decoding import not_run
 from harness.model.cpu_linear import LINEAR_KERNELS
 from harness.serve import metrics
 from harness.serve.memory import KVMemory
+from harness.serve.point import unservable
 from harness.serve.simulation import FittedStepTime, RoofStepTime, StepTime, simulate
 from harness.serve.step_fit import FitError, StepFit, fit
 from harness.serve.step_observations import serving_observations, step_observations
@@ -67,7 +68,7 @@ def simulate_point(point: Point, results_dir: str) -> dict:
 def _simulate(point: Point, results_dir: str) -> dict:
     spec = point.serving
     strategy = point.strategy.instantiate()
-    reason = strategy.serving_unavailable()
+    reason = unservable(point, strategy)  # what a measured run of the point would refuse, refused alike
     if reason is not None:
         return not_run("skipped", reason)
     twin = measured_twin(point).key
