@@ -10,6 +10,7 @@ Two objects per strategy:
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, Sequence
@@ -162,6 +163,13 @@ class Strategy(ABC):
     def declared(cls, name: str) -> Backend:
         """The backend of that name."""
         return next(backend for backend in cls.backends if backend.name == name)
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """Every option `__init__` takes, `backend` included, and its default: its keyword arguments (a
+        class taking more through **kwargs, as eviction's policies' parameters, adds them)."""
+        signature = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in signature if p.name != "self" and p.kind == p.POSITIONAL_OR_KEYWORD}
 
     def options(self) -> dict:
         """The options besides `backend` this instance was built with (recorded in the point's key)."""

@@ -12,7 +12,7 @@ from harness.config import ConfigError
 from harness.model.decoder import RotaryTable
 from strategies.caches.attention import grouped_attention
 from strategies.caches.eviction import EvictionLayerCache, EvictionStrategy
-from strategies.caches.eviction_policies import Policy
+from strategies.caches.eviction_policies import H2OPolicy, SnapKVPolicy, StreamingPolicy, TOVAPolicy
 from strategies.caches.layer_share import LayerShareStrategy
 from strategies.caches.think import ThinKStrategy
 from tests.conftest import GQA4, STRATEGIES, TINY, cpu_model, generate, planned_point
@@ -58,10 +58,11 @@ def kept_positions(cache: EvictionLayerCache) -> list[set]:
     return kept
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "tova", "snapkv_int4"])
-def test_the_cache_holds_at_most_the_budget_and_its_bytes_shrink(gqa4, name):
+@pytest.mark.parametrize("name, options", [("streaming", {}), ("h2o", {}), ("snapkv", {"window": 4}), ("tova", {}),
+                                           ("snapkv_int4", {"window": 4, "group_size": 16})])  # head_dim 16
+def test_the_cache_holds_at_most_the_budget_and_its_bytes_shrink(gqa4, name, options):
     budget, length, steps = 12, 40, 10
-    strategy = variant(name, budget=budget, window=4, group_size=16)  # head_dim 16
+    strategy = variant(name, budget=budget, **options)
     session = strategy.new_session(gqa4, 2, length + steps)
     token = session.prefill(prompt_of(GQA4, 2, length)).argmax(-1)
     for _ in range(steps):
@@ -98,7 +99,7 @@ def test_in_cache_positions_are_ranks_inside_the_cache():
     torch.manual_seed(0)
     batch, n_kv, group, dim, length, budget = 1, 2, 2, 16, 30, 8
     rope = RotaryTable(dim, length, 10000.0, CPU, torch.float32)
-    policy = Policy("streaming", budget, sinks=2, recent=0, window=1, kernel_size=1)
+    policy = StreamingPolicy(budget, sinks=2)
     cache = EvictionLayerCache(batch, n_kv, length, dim, CPU, torch.float32, policy, None, in_cache_positions=True)
     cache.rope = rope
     raw_q = torch.randn(batch, length, n_kv * group, dim)
@@ -117,26 +118,26 @@ def test_in_cache_positions_are_ranks_inside_the_cache():
 
 
 def test_h2o_keeps_its_recent_window_and_drops_the_least_accumulated():
-    policy = Policy("h2o", budget=4, sinks=0, recent=2, window=1, kernel_size=1)
+    policy = H2OPolicy(budget=4, recent=2)
     positions = torch.tensor([[[0, 1, 2, 3, 4]]], dtype=torch.int32)
     scores = torch.tensor([[[0.9, 0.2, 0.5, 0.0, 0.0]]])  # 3 and 4: the recent window, however low
-    assert policy.victims(positions, scores, None, position=4).item() == 1
+    assert policy.victims(positions, scores, position=4).item() == 1
 
 
 def test_snapkv_pools_the_window_scores_and_keeps_the_window():
-    policy = Policy("snapkv", budget=4, sinks=0, recent=0, window=2, kernel_size=3)
+    policy = SnapKVPolicy(budget=4, window=2, kernel_size=3)
     sums = torch.tensor([[[0.0, 0.0, 1.8, 0.0, 0.0, 0.0, 0.1, 0.0, 0.5, 0.5]]])  # [1, 1, P=10]
-    scores = policy.prefill_scores(sums, 10, max_len=20)
+    scores = policy.prefill_scores(sums, torch.arange(10), max_len=20)
     # pooled (kernel 3) around the peak at 2 ranks 1, 2, 3 alike; the window (8, 9) always kept
     assert scores[0, 0, 1] == scores[0, 0, 2] == scores[0, 0, 3] == pytest.approx(0.9)
-    kept = policy.select(10, scores, sums, 1, 1, CPU)[0, 0].tolist()
+    kept = policy.select(scores, 10)[0, 0].tolist()
     assert kept[2:] == [8, 9] and set(kept[:2]) <= {1, 2, 3}  # two of the three tied at the pooled peak
 
 
 def test_tova_drops_the_token_the_step_attended_to_least():
     torch.manual_seed(0)
     batch, n_kv, group, dim, budget = 2, 2, 2, 16, 6
-    policy = Policy("tova", budget, sinks=0, recent=0, window=1, kernel_size=1)
+    policy = TOVAPolicy(budget)
     cache = EvictionLayerCache(batch, n_kv, 20, dim, CPU, torch.float32, policy, None, in_cache_positions=False)
     q, k, v = torch.randn(batch, 11, n_kv * group, dim), torch.randn(batch, 11, n_kv, dim), torch.randn(batch, 11, n_kv, dim)
     cache.attend(q[:, :10], k[:, :10], v[:, :10], 0)  # the prompt: budget tokens kept by the last query
@@ -149,11 +150,11 @@ def test_tova_drops_the_token_the_step_attended_to_least():
     assert torch.equal(cache.free, weights.argmin(-1))
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "tova"])
-def test_warm_up_rewinds_replay_and_leave_the_tokens_alone(gqa4, name):
+@pytest.mark.parametrize("name, options", [("streaming", {}), ("h2o", {}), ("snapkv", {"window": 4}), ("tova", {})])
+def test_warm_up_rewinds_replay_and_leave_the_tokens_alone(gqa4, name, options):
     """The runner's warm-up (the first decode step repeated, rewound after each) and a second pass
     (rewound to the prompt's end) cannot undo an eviction: the session replays, and the tokens stay."""
-    strategy = variant(name, budget=10, window=4)
+    strategy = variant(name, budget=10, **options)
     prompt = prompt_of(GQA4, 2, 20)
     expected = generate(strategy, gqa4, prompt, 12)
     session = strategy.new_session(gqa4, 2, 32)
@@ -268,12 +269,25 @@ def test_think_keeps_the_channels_of_largest_query_key_magnitude(gqa4):
     ({"policy": "streaming", "budget": 4, "sinks": 4}, "strategy.sinks"),
     ({"policy": "h2o", "positions": "in_cache"}, "strategy.positions"),
     ({"format": "int3"}, "strategy.format"),
-    ({"kernel_size": 4}, "strategy.kernel_size"),
+    ({"policy": "snapkv", "kernel_size": 4}, "strategy.kernel_size"),
+    ({"policy": "h2o", "window": 16}, "strategy.window"),
+    ({"policy": "tova", "alpha": 0.5}, "strategy.alpha"),
 ])
 def test_bad_eviction_options_name_their_key(options, key):
     with pytest.raises(ConfigError) as refused:
         EvictionStrategy(**options)
     assert str(refused.value).startswith(key)
+
+
+def test_an_option_the_policy_lacks_is_refused_naming_the_policys_options():
+    """Every policy's parameters arrive at their papers' defaults (conf/strategy/eviction.yaml); one set
+    for a policy that has no such parameter is refused in one line naming what the policy takes."""
+    planned_point("strategy=h2o", "strategy.budget=128", "model=tiny", "ctx=16", "decode_tokens=2")  # still works
+    with pytest.raises(ConfigError, match=r"^strategy\.window: policy h2o has no window .*takes: budget, recent$"):
+        planned_point("strategy=h2o", "strategy.window=16", "model=tiny", "ctx=16", "decode_tokens=2")
+    with pytest.raises(ConfigError, match=r"^strategy\.sinks: policy snapkv has no sinks .*takes: budget, window, "
+                                          r"kernel_size$"):
+        planned_point("strategy=snapkv", "strategy.sinks=2", "model=tiny", "ctx=16", "decode_tokens=2")
 
 
 @pytest.mark.parametrize("cls,options,key", [

@@ -14,8 +14,9 @@ import time
 import pandas as pd
 import pytest
 
+from harness.analysis.results import load
 from harness.report.assemble import build_report
-from tests.conftest import REPO_ROOT, refused_by_runner, run_cli
+from tests.conftest import QUICK_CALIBRATION, REPO_ROOT, refused_by_runner, run_cli
 
 SERVE = ["device=cpu", "model=tiny", "workload=fixed", "workload.requests=6", "serving.kv_budget_bytes=40000"]
 
@@ -49,6 +50,21 @@ def test_a_serving_sweep_writes_rows_and_request_files_and_a_rerun_serves_nothin
     again = run_cli(*args)
     assert again.returncode == 0 and "4 already measured" in again.stdout + again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in results_dir.glob("*.parquet")} == before
+
+
+def test_a_report_of_step_and_serving_rows_keeps_them_apart(results_dir):
+    """Step rows go to the step sections and are predicted; serving rows to "Serving" alone, never predicted."""
+    steps = run_cli("device=cpu", "model=tiny", "strategy=contiguous", "ctx=16", "decode_tokens=4", QUICK_CALIBRATION,
+                    f"results_dir={results_dir}")
+    served = run_cli(*SERVE, "strategy=paged", f"results_dir={results_dir}")
+    assert steps.returncode == 0 and served.returncode == 0, steps.stderr + served.stderr
+    table = load(results_dir)
+    serving = table[table.workload.notna()]
+    assert len(serving) == 1 and serving.predicted_step_s.isna().all() and serving.roof_source.isna().all()
+    assert table[table.workload.isna()].predicted_step_s.notna().all()
+    text = build_report(results_dir).markdown.read_text()
+    assert "Measured against predicted" in text and "## Serving: what each strategy's memory buys" in text
+    assert "could not be predicted" not in text
 
 
 def test_a_strategy_that_cannot_serve_is_a_skipped_row(results_dir):
@@ -110,13 +126,14 @@ def test_a_jsonl_trace_is_served(tmp_path, results_dir):
 
 @pytest.mark.slow
 def test_a_serving_sweep_killed_part_way_leaves_whole_rows_and_the_rerun_serves_the_rest(results_dir):
-    args = ["-m", *SERVE, "strategy=contiguous,paged,int8,dynamic", "workload.requests=24", "workload.output_len=48",
-            "workload.arrival=poisson", "workload.rate=40", f"results_dir={results_dir}"]
+    args = ["-m", *SERVE[:-2], "workload.requests=24", "serving.kv_budget_bytes=120000",  # contiguous: ~3 requests
+            "strategy=contiguous,paged,int8,dynamic", "workload.output_len=48", "workload.arrival=poisson",
+            "workload.rate=40", f"results_dir={results_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     sweep = subprocess.Popen([sys.executable, "-m", "harness.run", *args], cwd=REPO_ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
-    while len(list(results_dir.glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+    while len(list(results_dir.glob("*.parquet"))) < 2 and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(sweep.pid, signal.SIGKILL)
     sweep.wait()

@@ -47,7 +47,7 @@ from strategies.caches.attention import KERNEL_NAME as SDPA_KERNEL
 from strategies.caches.attention import grouped_attention
 from strategies.backends import Backend
 from strategies.base import CachedSession, DecodeSession, Strategy, StrategyOptionError
-from strategies.caches.eviction_policies import POLICIES, SCORES, Policy
+from strategies.caches.eviction_policies import EvictionPolicy, StepWeights, StreamingPolicy, policy_of
 from strategies.caches.eviction_store import FullWidthSlots, QuantizedSlots
 from strategies.caches.pools import PerSequencePool
 from strategies.caches.quantization import FORMATS, QuantSpec, payload_width
@@ -86,7 +86,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weighte
 
 
 class EvictionLayerCache:
-    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, device, dtype, policy: Policy,
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, device, dtype, policy: EvictionPolicy,
                  spec: QuantSpec | None, in_cache_positions: bool):
         self.policy, self.max_len = policy, max_len
         self.slots = min(policy.budget + 1, max_len)  # the kept tokens and the step's own
@@ -97,7 +97,7 @@ class EvictionLayerCache:
         self.scores = torch.zeros(shape, device=device, dtype=torch.float32)  # [B, n_kv, S] the policy's table
         self.free = torch.zeros(batch, n_kv, device=device, dtype=torch.int64)  # [B, n_kv] the slot written next once full
         # streaming with in-cache positions: the sinks' keys as first computed [B, n_kv, sinks, D]
-        self.sink_keys = (torch.zeros(batch, n_kv, policy.sinks, head_dim, device=device, dtype=dtype)
+        self.sink_keys = (torch.zeros(batch, n_kv, policy.protected_first, head_dim, device=device, dtype=dtype)
                           if in_cache_positions else None)
         self.rope = None  # the session's RotaryTable (set by EvictionSession)
         self.filled = 0  # slots in use (the kept tokens, and the step's own during a step)
@@ -138,26 +138,26 @@ class EvictionLayerCache:
             raise ValueError("an evicting cache takes several tokens at once only as the prompt, at position 0")
         policy, length = self.policy, k.shape[2]
         out, sums = prefill_attention(q, k, v, policy.weighted_rows(length))
-        scores = policy.prefill_scores(sums, length, self.max_len)  # [B, n_kv, P] or None
+        positions = torch.arange(length, device=k.device)
+        scores = policy.prefill_scores(sums, positions, self.max_len).expand(*k.shape[:2], length)  # [B, n_kv, P]
         if length <= policy.budget:
-            kept = torch.arange(length, device=k.device).expand(*k.shape[:2], length)  # [B, n_kv, P]
+            kept = positions.expand(*k.shape[:2], length)  # [B, n_kv, P]
         else:
-            kept = policy.select(length, scores, sums, k.shape[0], k.shape[1], k.device)  # [B, n_kv, budget]
+            kept = policy.select(scores, length)  # [B, n_kv, budget]
             rows = kept[..., None].expand(-1, -1, -1, k.shape[-1])
             k, v = k.gather(2, rows), v.gather(2, rows)
         self.filled = kept.shape[-1]
         self.store.write(k, v, 0)
         self.positions[..., :self.filled] = kept
-        if scores is not None:
-            self.scores[..., :self.filled] = scores.gather(-1, kept)
+        self.scores[..., :self.filled] = scores.gather(-1, kept)
         if self.sink_keys is not None:
-            sinks = min(policy.sinks, self.filled)
+            sinks = min(policy.protected_first, self.filled)
             self.sink_keys[:, :, :sinks] = k[:, :, :sinks]
         return out
 
     def _step(self, q, k, v, position: int):
         policy = self.policy
-        entry = policy.decode_score(position, self.max_len)
+        entry = policy.entry_score(position, self.max_len)
         if self.filled < self.slots:
             self.store.write(k, v, self.filled)
             self.positions[..., self.filled] = position
@@ -170,29 +170,30 @@ class EvictionLayerCache:
         filled = self.filled
         keys, values = self.store.read(filled)  # [B, n_kv, filled, D]
         if self.sink_keys is not None:
-            if position < policy.sinks:
+            if position < policy.protected_first:
                 self.sink_keys[:, :, position] = k[:, :, 0]
             self._rotate_sinks(keys, evicted=position + 1 - filled)
-        weights = None
-        if policy.needs_weights:
+        if policy.step_weights != StepWeights.IGNORE:
             batch, _, n_heads, head_dim = q.shape
             grouped = q.view(batch, keys.shape[1], n_heads // keys.shape[1], head_dim)  # [B, n_kv, G, D]
             logits = grouped @ keys.transpose(-1, -2) * head_dim ** -0.5  # [B, n_kv, G, filled]
             probabilities = logits.softmax(-1, dtype=torch.float32)
             out = (probabilities.to(values.dtype) @ values).view(q.shape)  # [B, 1, H, D]
             weights = probabilities.mean(2)  # [B, n_kv, filled]: averaged over the group
-            if policy.name == "h2o":
+            if policy.step_weights == StepWeights.ACCUMULATE:
                 self.scores[..., :filled] += weights
+            else:
+                self.scores[..., :filled] = weights
         else:
             out = grouped_attention(q, keys, values, q_offset=position)
         if filled > policy.budget:
-            self.free = policy.victims(self.positions[..., :filled], self.scores[..., :filled], weights, position)
+            self.free = policy.victims(self.positions[..., :filled], self.scores[..., :filled], position)
         return out
 
     def _rotate_sinks(self, keys: torch.Tensor, evicted: int) -> None:
         """Write into keys [B, n_kv, filled, D] (slots 0.. hold the sinks) the sinks' keys rotated forward
         by `evicted` positions: the cache's ranks (module docstring)."""
-        sinks = min(self.policy.sinks, keys.shape[2])
+        sinks = min(self.policy.protected_first, keys.shape[2])
         original = self.sink_keys[:, :, :sinks]  # [B, n_kv, s, D]
         half = original.shape[-1] // 2
         swapped = original.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (x2, x1), as RotaryTable.rotate
@@ -200,13 +201,17 @@ class EvictionLayerCache:
 
     def fill_random(self, length: int, generator: torch.Generator) -> None:
         """Stand in for a prompt of `length`: random K/V in min(length, budget) slots holding the
-        policy's choice as streaming would make it (the sinks, then the last tokens), random scores."""
+        policy's choice as streaming would make it (the protected first tokens, then the last ones),
+        scored as the policy scores a prompt whose attention weights are random."""
         self.reset()
-        kept, sinks = min(length, self.policy.budget), min(self.policy.sinks, length)
+        policy = self.policy
+        kept, sinks = min(length, policy.budget), min(policy.protected_first, length)
         device = self.positions.device
         positions = torch.cat((torch.arange(sinks, device=device), torch.arange(length - kept + sinks, length, device=device)))
         self.positions[..., :kept] = positions.to(torch.int32)
-        self.scores[..., :kept].uniform_(generator=generator)
+        sums = torch.empty(*self.scores.shape[:2], length, device=device).uniform_(generator=generator)  # [B, n_kv, P]
+        scores = policy.prefill_scores(sums, torch.arange(length, device=device), self.max_len)
+        self.scores[..., :kept] = scores.expand_as(sums)[..., positions]
         self.store.fill_random(kept, generator)
         if self.sink_keys is not None:
             self.sink_keys[:, :, :sinks] = self.store.read(sinks)[0]
@@ -285,60 +290,51 @@ class EvictionStrategy(Strategy):
     def new_pool(self, model, memory, budget_bytes, max_len) -> PerSequencePool:
         return PerSequencePool(self, model, max_len, self.kernel(model.device, model.dtype, model.cfg))
 
-    def __init__(self, backend: str = "auto", policy: str = "streaming", budget: int = 256, sinks: int = 4,
-                 recent: int = 0, window: int = 32, kernel_size: int = 5, positions: str = "original",
-                 format: str = "", group_size: int = 32):
+    def __init__(self, backend: str = "auto", policy: str = StreamingPolicy.name, budget: int = 256, positions: str = "original",
+                 format: str = "", group_size: int = 32, **parameters):
+        """`parameters`: the policies' own (strategies.caches.eviction_policies; conf/strategy/eviction.yaml
+        lists each with its paper's default), checked by the policy."""
         super().__init__(backend)
-        if policy not in POLICIES:
-            raise StrategyOptionError("policy", f"unknown value {policy!r}, allowed: {', '.join(POLICIES)}")
-        for option, value, least in (("budget", budget, 1), ("sinks", sinks, 0), ("recent", recent, 0),
-                                     ("window", window, 1), ("kernel_size", kernel_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise StrategyOptionError(option, f"must be an integer >= {least}, got {value!r}")
-        if kernel_size % 2 == 0:
-            raise StrategyOptionError("kernel_size", f"must be odd (the pooled score stays centred), got {kernel_size}")
-        for option, value, policy_using in (("sinks", sinks, "streaming"), ("recent", recent or budget // 2, "h2o"),
-                                            ("window", window, "snapkv")):
-            if policy == policy_using and value >= budget:
-                raise StrategyOptionError(option, f"{value} leaves no room in a budget of {budget} tokens; "
-                                                  f"must be < budget")
+        self.policy, self.parameters = policy_of(policy, budget, parameters)
         if positions not in POSITIONS:
             raise StrategyOptionError("positions", f"unknown value {positions!r}, allowed: {', '.join(POSITIONS)}")
-        if positions == "in_cache" and (policy != "streaming" or format):
-            raise StrategyOptionError("positions", "in_cache (StreamingLLM's ranks inside the cache) is defined for "
-                                                   "policy=streaming over full-width slots; allowed here: original")
+        if positions == "in_cache" and (not self.policy.ranks_inside_cache or format):
+            ranking = [name for name, cls in EvictionPolicy.registered.items() if cls.ranks_inside_cache]
+            raise StrategyOptionError("positions", f"in_cache (ranks inside the cache) is defined for policy="
+                                                   f"{'|'.join(ranking)} over full-width slots; allowed here: original")
         if format not in ("", *FORMATS):
             raise StrategyOptionError("format", f"unknown value {format!r}, allowed: '' (the compute dtype), "
                                                 f"{', '.join(FORMATS)}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise StrategyOptionError("group_size", f"must be an even integer >= 2, got {group_size!r}")
-        self.policy = Policy(policy, budget, sinks if policy == "streaming" else 0, recent or budget // 2, window,
-                             kernel_size)
-        self.sinks, self.recent = sinks, recent  # as configured (recent 0: half the budget), what options() records
         self.positions, self.format, self.group_size = positions, format, group_size
         self.spec = QuantSpec(format, group_size) if format else None
 
+    @classmethod
+    def option_defaults(cls) -> dict:
+        parameters = {key: default for policy in EvictionPolicy.registered.values()
+                      for key, default in policy.parameters().items()}
+        return {**super().option_defaults(), **parameters}
+
     def options(self) -> dict:
-        p = self.policy
-        return {"policy": p.name, "budget": p.budget, "sinks": self.sinks, "recent": self.recent, "window": p.window,
-                "kernel_size": p.kernel_size, "positions": self.positions, "format": self.format,
-                "group_size": self.group_size}
+        return {"policy": self.policy.name, "budget": self.policy.budget, **self.parameters,
+                "positions": self.positions, "format": self.format, "group_size": self.group_size}
 
     def kernel(self, device, dtype, shape=None) -> str:
         super().kernel(device, dtype, shape)  # raises where it cannot run
-        kind = WEIGHTED_KERNEL if self.policy.needs_weights else SDPA_KERNEL
+        kind = WEIGHTED_KERNEL if self.policy.step_weights != StepWeights.IGNORE else SDPA_KERNEL
         stored = f", {self.format} slots dequantized per step" if self.format else ""
         return f"{self.policy.name} eviction, {kind} over the kept slots{stored}"
 
     def cache_layout(self, shape: ModelConfig | None = None) -> CacheLayout:
         if self.spec is None:
-            return CacheLayout(token_budget=self.policy.budget, eviction_score=SCORES[self.policy.name])
+            return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score)
         if shape is None and self.format == "int4":
             raise ValueError("eviction: int4 slots' scale bytes depend on head_dim; pass the model shape")
         if shape is not None:
             self._check_shape(shape)
         head_dim = shape.resolved_head_dim if shape is not None else 1
-        return CacheLayout(token_budget=self.policy.budget, eviction_score=SCORES[self.policy.name],
+        return CacheLayout(token_budget=self.policy.budget, eviction_score=self.policy.score,
                            value_bits=self.spec.value_bits, scale_bytes_per_token=self.spec.scale_bytes_per_token(head_dim))
 
     def _check_shape(self, shape: ModelConfig) -> None:
