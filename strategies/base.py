@@ -128,8 +128,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]  # option name under conf/strategy/ and the row's `strategy`
     caches_kv: ClassVar[bool] = True  # stores K/V between steps (False only for the recompute reference)
-    exact: ClassVar[bool] = True  # proven (tests/test_exactness.py) to generate the no-cache reference's tokens
-    reference: ClassVar[bool] = False  # the recompute-everything strategy every other one is compared with
+    exact: ClassVar[bool] = True  # proven (tests/test_exactness.py) to generate the recompute reference's tokens
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types it can run on
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")  # compute dtypes it can run in
     # Its attention kernels, in preference order, each with what it needs (strategies.backends): what

@@ -68,7 +68,7 @@ def planned_point(*overrides: str):
     """The Point a command line resolves to (the runner's own plan), on the CPU."""
     from harness.run.plan import plan
 
-    return plan(["device=cpu", *overrides], cuda_available=lambda: False).jobs[0].point
+    return plan(["device=cpu", *overrides], cuda_available=lambda: False).planned[0].point
 
 
 # For runs that read rows, not roofs: each test's results folder is new, so each run calibrates, and the

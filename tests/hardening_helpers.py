@@ -68,7 +68,7 @@ def refusal(*overrides: str) -> str:
 
 
 def planned(*overrides: str):
-    return plan([*TINY, *overrides], cuda_available=NO_CUDA).jobs
+    return plan([*TINY, *overrides], cuda_available=NO_CUDA).planned
 
 
 def plant_row(results_dir: Path, point, status: str = "ok", git_commit: str | None = None) -> Path:

@@ -7,7 +7,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from harness.run.plan import CONFIG_DIR, plan, sweep_jobs
+from harness.run.plan import CONFIG_DIR, plan, sweep_points
 from harness.config.validate import ConfigError
 from tests.conftest import refused_by_runner, run_cli
 
@@ -101,10 +101,10 @@ def test_two_of_hydras_modes_at_once_are_one_line():
     ["ctx=8", "batch=range(1,4)", "ctx=16,32", "seed=3"],  # a key set twice: its first place, its last values
     ["strategy=glob(*)", "batch=2"],
 ])
-def test_sweep_jobs_expands_a_sweep_as_hydras_basic_sweeper_does(overrides):
+def test_sweep_points_expands_a_sweep_as_hydras_basic_sweeper_does(overrides):
     """The plan's own expansion against Hydra's (its internal BasicSweeper, which the product does not import)."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(overrides)
-        jobs = sweep_jobs(parsed)
+        jobs = sweep_points(parsed)
         assert len(jobs) > 1 and jobs == BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]

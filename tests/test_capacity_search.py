@@ -47,7 +47,7 @@ def test_the_search_finds_the_largest_batch_in_about_log2_probes(tmp_path, fits_
     from harness.run.row import build_row
     from harness.store.files import write_row
 
-    planned = plan([*SEARCH, f"results_dir={seeded(tmp_path)}"], cuda_available=lambda: False).jobs[0]
+    planned = plan([*SEARCH, f"results_dir={seeded(tmp_path)}"], cuda_available=lambda: False).planned[0]
     asked = []
 
     def planted_measure(cfg, probe):

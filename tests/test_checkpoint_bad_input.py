@@ -52,7 +52,7 @@ def edit_config(folder: Path, **changes) -> None:
 
 
 def test_the_good_checkpoint_plans(good):
-    point = plan(["device=cpu", "model=tiny", f"model.checkpoint={good}", "ctx=8"], cuda_available=NO_CUDA).jobs[0].point
+    point = plan(["device=cpu", "model=tiny", f"model.checkpoint={good}", "ctx=8"], cuda_available=NO_CUDA).planned[0].point
     assert point.model.name == "tiny-llama" and point.weights == "checkpoint" and len(point.checkpoint_hash) == 16
 
 
@@ -142,7 +142,7 @@ def test_with_a_random_fill_a_prompt_file_feeds_only_the_accuracy_pass(tmp_path)
     path.write_text(json.dumps(list(range(15))))  # fewer than 2 x (8 + 2 + 1) tokens
     assert refused(f"prompt={path}", "batch=2").startswith("prompt:")
     point = plan(["device=cpu", "model=tiny", "ctx=8", "decode_tokens=2", f"prompt={path}", "batch=2", "prefill=random"],
-                 cuda_available=NO_CUDA).jobs[0].point
+                 cuda_available=NO_CUDA).planned[0].point
     assert point.prefill == "random" and point.prompt_hash is not None
     assert refused(f"prompt={path}", "prefill=random", "strategy=int8", "accuracy.tokens=64").startswith("accuracy.tokens:")
 
@@ -163,7 +163,7 @@ def test_a_checkpoint_changed_after_planning_fails_its_point(copy):
     from harness.model.checkpoint import CheckpointError
 
     point = plan(["device=cpu", "model=tiny", f"model.checkpoint={copy}", "ctx=8", "decode_tokens=2"],
-                 cuda_available=NO_CUDA).jobs[0].point
+                 cuda_available=NO_CUDA).planned[0].point
     edit_config(copy, rms_norm_eps=1e-5)  # still a valid checkpoint, other weights' behaviour
     with pytest.raises(CheckpointError, match="changed since the sweep was planned"):
         start_decode(point, lambda: None, torch.Generator().manual_seed(0))

@@ -68,7 +68,7 @@ def test_a_fused_weight_is_checked_in_its_own_rows(tmp_path):
 def test_the_point_fails_with_the_reason_in_its_row_and_the_sweep_goes_on(tmp_path):
     folder = write_checkpoint(tmp_path / "damaged", tensors=with_value(DAMAGED, math.nan))
     jobs = plan(["-m", "device=cpu", "model=tiny", f"model.checkpoint={folder},null", "ctx=4", "decode_tokens=2",
-                 "timing.warmup_max=2", f"results_dir={tmp_path / 'results'}"], cuda_available=NO_CUDA).jobs
+                 "timing.warmup_max=2", f"results_dir={tmp_path / 'results'}"], cuda_available=NO_CUDA).planned
     rows = [build_row(job.point, run_inline(measure_point, job.point)) for job in jobs]
     damaged, random = (rows if rows[0]["weights"] == "checkpoint" else rows[::-1])
     assert damaged["status"] == "failed" and f"tensor {DAMAGED} holds 1 NaN or infinite" in damaged["reason"]

@@ -109,7 +109,7 @@ def test_each_launcher_plans_every_point_once(results_dir):
 
     for launcher in ("local", "slurm"):
         jobs = plan(["-m", f"hydra/launcher={launcher}", *POINTS, f"results_dir={results_dir}"],
-                    cuda_available=lambda: False).jobs
+                    cuda_available=lambda: False).planned
         assert len(jobs) == 4 and len({job.point.label() for job in jobs}) == 4, launcher
 
 

@@ -121,20 +121,20 @@ def test_a_member_that_fails_costs_the_others_nothing():
     assert rows[2]["ratio_to_reference"] is not None
 
 
-def _jobs(*overrides):
-    return plan(["-m", "model=tiny", "device=cpu", "ctx=8", "decode_tokens=2", *overrides], lambda: False).jobs
+def _planned(*overrides):
+    return plan(["-m", "model=tiny", "device=cpu", "ctx=8", "decode_tokens=2", *overrides], lambda: False).planned
 
 
 def test_the_plan_groups_a_shape_and_keys_members_by_mode_and_repeat():
-    jobs = _jobs("strategy=contiguous,paged", "batch=1,2")
-    groups = form_groups(jobs, "shape", 1, seed=0)
-    assert [len(g.jobs) for g in groups] == [2, 2]
+    planned = _planned("strategy=contiguous,paged", "batch=1,2")
+    groups = form_groups(planned, "shape", 1, seed=0)
+    assert [len(g.members) for g in groups] == [2, 2]
     assert {p.batch for g in groups for p in g.points} == {1, 2}
     assert all(len({p.batch for p in g.points}) == 1 and p.interleave == "shape" for g in groups for p in g.points)
-    alone = form_groups(jobs, "none", 1, seed=0)
+    alone = form_groups(planned, "none", 1, seed=0)
     assert len(alone) == 4 and all(p.interleave == "none" for g in alone for p in g.points)
-    assert {p.key for g in alone for p in g.points} == {job.point.key for job in jobs}  # keys as before
-    repeated = form_groups(jobs, "shape", 3, seed=0)
+    assert {p.key for g in alone for p in g.points} == {one.point.key for one in planned}  # keys as before
+    repeated = form_groups(planned, "shape", 3, seed=0)
     assert len(repeated) == 6 and sorted(p.repeat for g in repeated for p in g.points) == [0] * 4 + [1] * 4 + [2] * 4
     assert len({p.key for g in repeated for p in g.points}) == 12
 
@@ -147,25 +147,25 @@ def test_a_groups_job_is_named_by_one_override_and_plans_its_members_again():
     from harness.run.grouping import GroupSpec
     from harness.run.plan import plan_group
 
-    groups = form_groups(_jobs("strategy=no_cache,contiguous,paged", "batch=1,2"), "shape", 2, seed=0)
+    groups = form_groups(_planned("strategy=no_cache,contiguous,paged", "batch=1,2"), "shape", 2, seed=0)
     assert len(groups) == 8  # 2 batches x (the recompute reference, the caches) x 2 repeats: 8 jobs
-    group = next(g for g in groups if len(g.jobs) == 2 and g.points[0].repeat == 1)
+    group = next(g for g in groups if len(g.members) == 2 and g.points[0].repeat == 1)
     spec = GroupSpec.of(group, first=5)
     override = spec.override()
     (parsed,) = OverridesParser.create().parse_overrides([override])  # one plain value to Hydra
     assert parsed.key_or_group == "group" and parsed.value() == spec.encode()
     assert GroupSpec.decode(spec.encode()) == spec
     members = plan_group(spec, cuda_available=lambda: False)
-    assert [job.point.key for job in members] == [job.point.key for job in group.jobs]
+    assert [job.point.key for job in members] == [job.point.key for job in group.members]
     assert all(job.point.repeat == 1 and job.point.interleave == "shape" for job in members)
     assert refused_by_runner("+group=" + spec.encode(), "model=tiny").startswith("error: group: ")  # not the user's
-    forged = dataclasses.replace(spec, members=((group.jobs[1].point.key, spec.members[0][1]), spec.members[1]))
+    forged = dataclasses.replace(spec, members=((group.members[1].point.key, spec.members[0][1]), spec.members[1]))
     with pytest.raises(ConfigError, match="group"):
         plan_group(forged, cuda_available=lambda: False)
 
 
 def test_the_recompute_reference_is_timed_apart_from_the_caches():
-    groups = form_groups(_jobs("strategy=no_cache,contiguous,paged"), "shape", 1, seed=0)
+    groups = form_groups(_planned("strategy=no_cache,contiguous,paged"), "shape", 1, seed=0)
     members = sorted(sorted(p.strategy.name for p in g.points) for g in groups)
     assert members == [["contiguous", "paged"], ["no_cache"]]
 
@@ -174,7 +174,7 @@ def test_grouping_is_one_choice_per_command_line():
     from harness.config import ConfigError
 
     with pytest.raises(ConfigError, match="interleave"):
-        _jobs("strategy=contiguous", "interleave=shape,none")
+        _planned("strategy=contiguous", "interleave=shape,none")
 
 
 @pytest.mark.slow

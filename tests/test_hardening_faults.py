@@ -104,7 +104,7 @@ def test_rerun_rules():
 
 def two_failed_rows(tmp_path):
     results = seeded(tmp_path / "results")
-    one, two = (j.point for j in plan(["-m", *FAST, "batch=1,2", f"results_dir={results}"], cuda_available=NO_CUDA).jobs)
+    one, two = (j.point for j in plan(["-m", *FAST, "batch=1,2", f"results_dir={results}"], cuda_available=NO_CUDA).planned)
     plant_row(results, one, "failed")
     plant_row(results, two, "failed")
     return results, one, two
@@ -320,7 +320,7 @@ def test_a_point_that_does_not_fit_leaves_kernel_null(tmp_path):
     from harness.run.plan import plan
 
     results = seeded(tmp_path / "results")
-    (job,) = plan(["-m", *FAST, f"batch={2**30}", f"results_dir={results}"], cuda_available=NO_CUDA).jobs
+    (job,) = plan(["-m", *FAST, f"batch={2**30}", f"results_dir={results}"], cuda_available=NO_CUDA).planned
     measure_planned(RunContext(), job)
     (row,) = pq.read_table(results).to_pylist()
     assert row["status"] == "skipped" and "does not fit" in row["reason"] and row["kernel"] is None

@@ -76,9 +76,9 @@ def test_a_strategy_name_that_reaches_a_file_name_is_checked():
 
 
 def test_glob_sweeps_expand_like_hydra():
-    jobs = plan(["-m", *TINY, "model=glob(tiny)"], cuda_available=NO_CUDA).jobs
+    jobs = plan(["-m", *TINY, "model=glob(tiny)"], cuda_available=NO_CUDA).planned
     assert [j.point.model.name for j in jobs] == ["tiny"]
-    jobs = plan(["-m", *TINY, "strategy=glob(no_*)"], cuda_available=NO_CUDA).jobs
+    jobs = plan(["-m", *TINY, "strategy=glob(no_*)"], cuda_available=NO_CUDA).planned
     assert len(jobs) == 1 and jobs[0].point.strategy.strategy_class.endswith("NoCacheStrategy")
 
 

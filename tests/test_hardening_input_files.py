@@ -222,7 +222,7 @@ def test_a_flag_after_an_override_is_taken_as_hydra_takes_flags_first():
     argv = ["model=tiny", "ctx=16", "-m", "batch=1,2"]
     assert hydra_order(argv) == ["-m", "model=tiny", "ctx=16", "batch=1,2"]
     assert len(planned_count := [p for p in __import__("harness.run.plan", fromlist=["plan"]).plan(
-        [*TINY, *argv[:2], "-m", "batch=1,2"], cuda_available=lambda: False).jobs]) == 2, planned_count
+        [*TINY, *argv[:2], "-m", "batch=1,2"], cuda_available=lambda: False).planned]) == 2, planned_count
 
 
 @pytest.mark.slow  # through the CLI: Hydra's own parser after the plan

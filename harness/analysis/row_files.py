@@ -12,17 +12,19 @@ and its skipped files; joined in slice order, they make the table and the list a
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.config.validate import first_line
+from harness.files.workers import Forked, WorkerLost, patience
+from harness.store.columns import SCHEMA
 
 # Columns a file must have to be read as a harness row (the rest may be missing in older rows).
 REQUIRED_COLUMNS = (
@@ -40,6 +42,7 @@ READ_THREADS = 2
 FILES_PER_PROCESS = 250
 
 Skipped = list[tuple[str, str]]  # (path, why it is not read as rows), in the folder's order
+SOURCE_FILE = "source_file"  # the column naming each row's file, added by read_slice
 
 
 def row_paths(folder: Path) -> tuple[list[Path], Skipped]:
@@ -64,13 +67,7 @@ def read_files(folder, left_out: tuple[str, ...] = ()) -> tuple[pa.Table | None,
     them back null)."""
     paths, skipped = row_paths(Path(folder))
     slices = _slices(paths, _processes(len(paths)))
-    if len(slices) > 1:
-        try:
-            parts = _read_in_processes(slices, tuple(left_out))
-        except BrokenProcessPool:  # a reader killed (out of memory): the slower read in this process alone
-            parts = [read_slice(paths, tuple(left_out))]
-    else:
-        parts = [read_slice(paths, tuple(left_out))]
+    parts = _read_in_processes(slices, tuple(left_out)) if len(slices) > 1 else [read_slice(paths, tuple(left_out))]
     tables = [table for table, _ in parts if table is not None]
     skipped += [entry for _, not_rows in parts for entry in not_rows]
     return (_compact(tables) if tables else None), skipped
@@ -94,13 +91,21 @@ def _slices(paths: list[Path], count: int) -> list[list[Path]]:
 
 
 def _read_in_processes(slices: list[list[Path]], left_out: tuple[str, ...]) -> list[tuple[pa.Table | None, Skipped]]:
-    """Each slice's (table, skipped): the first read here while forked processes read the others."""
-    with ProcessPoolExecutor(max_workers=len(slices) - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-        # Submitted before this process starts its own read: the fork then copies no reader thread mid-call.
-        futures = [pool.submit(_read_slice_ipc, paths, left_out) for paths in slices[1:]]
+    """Each slice's (table, skipped): the first read here while forked workers read the others
+    (harness.files.workers: they end with this process, and a wait on one is bounded). A worker that sends
+    nothing back (killed: out of memory; stuck) has its slice read here after all."""
+    with ExitStack() as workers:
+        # Forked before this process starts its own read: the fork then copies no reader thread mid-call.
+        forked = [workers.enter_context(Forked(_read_slice_ipc, paths, left_out)) for paths in slices[1:]]
+        started = time.monotonic()
         parts = [read_slice(slices[0], left_out, threads=1)]
-        for future in futures:
-            body, skipped = future.result()
+        deadline = started + patience(time.monotonic() - started)
+        for worker, paths in zip(forked, slices[1:]):
+            try:
+                body, skipped = worker.result(max(0.0, deadline - time.monotonic()))
+            except WorkerLost:
+                parts.append(read_slice(paths, left_out))
+                continue
             parts.append((pa.ipc.open_stream(body).read_all() if body is not None else None, skipped))
     return parts
 
@@ -126,6 +131,8 @@ def read_slice(paths: list[Path], left_out: tuple[str, ...] = (),
     with ThreadPoolExecutor(max_workers=threads) as pool:
         mapped = pool.map if threads > 1 else map  # one thread: no handoff to a pool's thread and back
         for path, (table, why) in zip(paths, mapped(lambda path: read_one(path, unread), paths)):
+            if table is not None and (not runs or table.schema != runs[-1].schema):  # a file of another schema
+                table, why = conformed(table)
             if table is None:
                 skipped.append((str(path), why))
                 continue
@@ -136,7 +143,7 @@ def read_slice(paths: list[Path], left_out: tuple[str, ...] = (),
     if not runs:
         return None, skipped
     # The file names added once: a column appended to each file's table costs a fifth of its read.
-    return _compact([run.table() for run in runs]).append_column("source_file", pa.array(names, pa.string())), skipped
+    return _compact([run.table() for run in runs]).append_column(SOURCE_FILE, pa.array(names, pa.string())), skipped
 
 
 class _Run:
@@ -166,7 +173,59 @@ def _compact(tables: list[pa.Table]) -> pa.Table:
     # Tables of one schema are joined as they are. Older files lack newer columns, and a column null in every
     # row of a file is typed null there: tables of several schemas are unified first (several times the cost).
     same = all(table.schema == schema for table in tables)
-    return pa.concat_tables(tables, promote_options="none" if same else "permissive").combine_chunks()
+    try:
+        return pa.concat_tables(tables, promote_options="none" if same else "permissive").combine_chunks()
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a column no row of today has, of two types in two files
+        foreign = {field.name for table in tables for field in table.schema if field.name not in ROW_TYPES}
+        tables = [table.drop_columns([c for c in table.column_names if c in foreign]) for table in tables]
+        return pa.concat_tables(tables, promote_options="permissive").combine_chunks()
+
+
+def conformed(table: pa.Table) -> tuple[pa.Table | None, str]:
+    """(the table, its columns of today's schema at their row types, "") or (None, why it is not read as
+    rows). A column's type may differ from its row type only where its values are the row's all the same: a
+    column null in every row (typed null), another integer width, a float column of whole numbers, strings
+    or lists of another offset width, a timestamp of another unit. Any other type (a batch held as text, a
+    status as a number, a reason as a struct) is another program's column of that name: the file is not
+    read, and one file of the wrong shape costs only itself (joined with the others, its column would
+    fail the whole read). Columns today's schema lacks (a newer harness's) are kept as they are."""
+    names = table.column_names
+    if len(set(names)) < len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        return None, f"not a harness row: column {', '.join(twice)} appears twice"
+    if SOURCE_FILE in names:  # the loader's own column (each row's file): a file cannot say where it is
+        table = table.drop_columns([SOURCE_FILE])
+    casts = {}
+    for field in table.schema:
+        want = ROW_TYPES.get(field.name)
+        if want is None or field.type == want or pa.types.is_null(field.type):
+            continue
+        if _kind(field.type) != _kind(want):
+            return None, f"not a harness row: column {field.name} is {field.type}, a row's is {want}"
+        casts[field.name] = want
+    for name, want in casts.items():
+        index = table.schema.get_field_index(name)
+        try:
+            table = table.set_column(index, name, table.column(index).cast(want, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+            return None, f"not a harness row: column {name} does not read as {want} ({first_line(error, typed=False)})"
+    return table, ""
+
+
+ROW_TYPES = {field.name: field.type for field in SCHEMA}  # each column's type in a row of today's schema
+
+
+def _kind(arrow_type: pa.DataType) -> str:
+    """What a type's values are, whatever their width or unit: the types conformed() casts between."""
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        return "number"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    if pa.types.is_timestamp(arrow_type):
+        return "timestamp"
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return f"list of {_kind(arrow_type.value_type)}"
+    return str(arrow_type)
 
 
 def read_one(path: Path, left_out: frozenset = frozenset()) -> tuple[pa.Table | None, str]:

@@ -40,3 +40,13 @@ class CacheLayout:
 
 
 CONTIGUOUS = CacheLayout()
+
+
+def could_be_reference(exact: bool, layout: CacheLayout | None) -> bool:
+    """The one rule for the exact cache that others are set against: a strategy proven exact (it generates
+    the recompute reference's tokens) that stores its K/V in the plain contiguous layout, the one every
+    other layout stores differently from. A group's step ratios and agreement checks are taken against
+    such a member (harness.measure.group.reference_index, harness.measure.agreement), an approximate
+    strategy's accuracy pass against such a strategy (harness.run.inputs.accuracy_reference), and the
+    report reads the same rule from a row's `exact` and cache_* columns (harness.report.cohorts)."""
+    return bool(exact) and layout == CONTIGUOUS

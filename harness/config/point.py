@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Optional
 
 from harness.config.keys import NOT_IN_KEY, OPTIONAL_IN_KEY, keyed_as, keyed_fields
-from harness.config.layout import CacheLayout
+from harness.config.layout import CacheLayout, could_be_reference
 from harness.config.schema import AccuracyConfig, ModelConfig, ServingConfig, SLOConfig, TimingConfig, WorkloadConfig
 from harness.config.validate import target_class
 
@@ -67,6 +67,11 @@ class StrategyChoice:
     def __post_init__(self):
         if not self.variant:
             object.__setattr__(self, "variant", self.name)
+
+    @property
+    def could_be_reference(self) -> bool:
+        """Whether the others are set against this strategy (harness.config.layout.could_be_reference)."""
+        return could_be_reference(self.exact, self.layout)
 
     def instantiate(self):
         """The strategy object (imports strategies/ only when called)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.config import CONTIGUOUS, Point
+from harness.config import Point
 from harness.measure.accuracy import ReferencePasses, reference_strategy
 from harness.measure.decoding import start_decode
 
@@ -38,13 +38,6 @@ class Disagreement(Exception):
         self.columns = columns
 
 
-def could_be_reference(point: Point) -> bool:
-    """What a group's reference declares: an exact cached strategy with the plain contiguous layout (the
-    layout every other stores its K/V differently from)."""
-    choice = point.strategy
-    return choice.exact and choice.caches_kv and choice.layout == CONTIGUOUS
-
-
 def checks_agreement(point: Point) -> bool:
     """Whether the point's strategy declares agreement bounds, so that an exact first step is computed for it."""
     if point.reference is None:
@@ -61,10 +54,10 @@ def _first_step_key(point: Point, model) -> tuple:
 
 
 def offer_first_step(point: Point, model, session, first_token: torch.Tensor, references: ReferencePasses) -> None:
-    """Keep the first step of a member that could be the group's reference (its session at the first
-    decode position, left there) for the agreement checks of the members set up after it."""
+    """Keep the first step of a member that could be the group's reference (harness.config.layout.
+    could_be_reference; its session at the first decode position, left there) for the agreement checks of the members set up after it."""
     key = _first_step_key(point, model)
-    if could_be_reference(point) and point.prefill == "compute" and key not in references:
+    if point.strategy.could_be_reference and point.prefill == "compute" and key not in references:
         references[key] = (first_token, session.step(first_token))
         session.rewind(point.ctx)
 

@@ -14,8 +14,9 @@ window beside the calibrated best-of roof.
 
 After the rounds each member's step time gets its bootstrap interval, and each member other than the
 group's reference its round-by-round ratio to the reference with an interval
-(harness.measure.intervals, through harness.measure.rounds.Rounds). The reference is chosen by what members declare (could_be_reference): an
-exact cached strategy that ran, a plain contiguous layout first (reference_index).
+(harness.measure.intervals, through harness.measure.rounds.Rounds). The reference is chosen by what members
+declare, by the one rule (harness.config.layout.could_be_reference): an exact cached strategy that ran, the
+plain contiguous layout first (reference_index).
 
 Runs inside one process of its own (harness.run.isolation). Returns one measured dict per member, in
 the group's order; `harness.run.row` makes each a row.
@@ -35,7 +36,7 @@ from harness.measure.intervals import METHOD as INTERVAL_METHOD
 from harness.measure.member import PEAK_METHOD, Member
 from harness.measure.memory import PeakTracker, anon_hugepages_bytes, use_hugepages
 from harness.measure.accuracy import ReferencePasses
-from harness.measure.agreement import NOT_CHECKED, checks_agreement, could_be_reference, judge_kl
+from harness.measure.agreement import NOT_CHECKED, checks_agreement, judge_kl
 from harness.measure.decoding import PREFILL, accuracy, accuracy_failed, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
@@ -56,14 +57,14 @@ class GroupRequest:
 def reference_index(points, ran=None) -> int | None:
     """The group's reference, the one rule for it (the runner times it again beside re-measured members,
     and the rows record it as group_reference): among the exact cached members that ran (`ran`, one
-    bool per point; None: as if all did), one that could be a reference (could_be_reference) first,
+    bool per point; None: as if all did), one that could be a reference (harness.config.layout.could_be_reference) first,
     then the lexically first strategy name, so the choice never depends on the order the sweep listed
     them in; None when none ran."""
     live = [i for i, point in enumerate(points) if (ran is None or ran[i]) and point.strategy.exact
             and point.strategy.caches_kv]
     if not live:
         return None
-    return min(live, key=lambda i: (not could_be_reference(points[i]), points[i].strategy.name, i))
+    return min(live, key=lambda i: (not points[i].strategy.could_be_reference, points[i].strategy.name, i))
 
 
 def measure_group(request: GroupRequest) -> list[dict]:
@@ -128,7 +129,7 @@ class _GroupRun:
     def set_up_order(self) -> list[Member]:
         """The members, one that could be the reference first: its first step then serves the agreement
         checks of the members after it (harness.measure.agreement.offer_first_step), no prefill of their own."""
-        return sorted(self.members, key=lambda member: not could_be_reference(member.point))
+        return sorted(self.members, key=lambda member: not member.point.strategy.could_be_reference)
 
     def prime(self) -> None:
         """Set up the first member that runs here once, over a prompt of at most PRIME_CTX tokens, and

@@ -4,17 +4,18 @@ Once the rows are read, each section reads the same table and cohorts, draws its
 folder and returns its blocks; none depends on another's work. All of it runs on one CPU, and over
 thousands of rows the plotting sections (matplotlib's layout and PNG encoding, a step ratio per point)
 take about as long as the summary and the tables. So for a folder of at least APART_MIN_ROWS rows the
-plotting sections are built in one forked process, which sends their blocks back pickled, while this
+plotting sections are built in one forked worker, which sends their blocks back pickled, while this
 process builds the others; the blocks are put back in the sections' own order, and each section is
 built by guard.section wherever it runs, so a fault still costs only that section. A smaller folder,
 or a platform without a safe fork, builds every section here.
 """
 from __future__ import annotations
 
-import multiprocessing
 import sys
+import time
 from typing import Callable
 
+from harness.files.workers import Forked, WorkerLost, patience
 from harness.report import guard
 from harness.report.document import Block
 
@@ -30,27 +31,18 @@ def built(sections: list[Section], rows: int) -> list[Block]:
     drawing = [i for i, (_, _, draws) in enumerate(sections) if draws]
     if rows < APART_MIN_ROWS or not drawing or not sys.platform.startswith("linux"):  # see row_files._processes
         return [block for heading, build, _ in sections for block in guard.section(heading, build)]
-    context = multiprocessing.get_context("fork")  # forked: the builds are closures over this process's table
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_build_and_send, args=([sections[i] for i in drawing], send), daemon=True)
-    child.start()
-    send.close()  # this process only receives: the child's end alone left open, so its exit ends the pipe
-    blocks = {i: guard.section(heading, build) for i, (heading, build, _) in enumerate(sections) if i not in drawing}
-    try:
-        blocks.update(zip(drawing, receive.recv()))
-    except EOFError:  # the child died before sending (killed, out of memory): its sections built here
-        blocks.update((i, guard.section(*sections[i][:2])) for i in drawing)
-    finally:
-        receive.close()
-        child.join()
+    # The worker ends with this process, and the wait on it is bounded (harness.files.workers): a report
+    # killed or interrupted while it plots leaves no process behind.
+    with Forked(_build, [sections[i] for i in drawing]) as worker:
+        started = time.monotonic()
+        blocks = {i: guard.section(heading, build) for i, (heading, build, _) in enumerate(sections) if i not in drawing}
+        try:
+            blocks.update(zip(drawing, worker.result(patience(time.monotonic() - started))))
+        except WorkerLost:  # killed (out of memory) or stuck: its sections built here
+            blocks.update((i, guard.section(*sections[i][:2])) for i in drawing)
     return [block for i in range(len(sections)) for block in blocks[i]]
 
 
-def _build_and_send(sections: list[Section], send) -> None:
-    """In the forked process: the sections' blocks, sent back as one list."""
-    try:
-        send.send([guard.section(heading, build) for heading, build, _ in sections])
-    except KeyboardInterrupt:  # Ctrl-C reaches both processes: this one leaves quietly, the report says it once
-        pass
-    finally:
-        send.close()
+def _build(sections: list[Section]) -> list[list[Block]]:
+    """In the worker: each section's blocks."""
+    return [guard.section(heading, build) for heading, build, _ in sections]

@@ -1,10 +1,12 @@
 """Rows of one model on one machine's device in one dtype: what every plot and comparison is drawn from.
 
 Rows of different shapes, devices (two GPU types are two devices) or dtypes are never drawn on the same axes; a folder holding several
-such groups gets one set of plots per group.
+such cohorts gets one set of plots per cohort. (A cohort holds many groups: the points timed together.)
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,15 +15,19 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from harness.analysis.curves import LINE_KEYS, AnalyticTables, analytic_tables
-from harness.analysis.results import SERIES
+from harness.analysis.curves import LINE_KEYS
+from harness.analysis.results import SERIES, Results
+from harness.config import CacheLayout, could_be_reference
 from harness.config.paths import LocationError, checkpoint_location, config_dir
+from harness.store.recorded import layout_of
 
 # The linear-layer kernel is a measurement condition like the dtype: aten, oneDNN and C rows of the same
 # point can differ several-fold on a CPU, so they are never drawn as one strategy's points.
-# A group is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
-# drawn on one axis, each group has its own roofs.
+# A cohort is one machine's view of one model: rows of two GPU types (both `cuda`) or two CPUs are never
+# drawn on one axis, each cohort has its own roofs.
 COHORT_KEYS = ["model", "device", "device_name", "dtype", "matmul_kernel"]
+SLUG_MAX = 150  # characters of a cohort's slug: with a plot's prefix and suffix, well within a file name's 255 bytes
+LAYOUT_COLUMNS = [f"{CacheLayout.ROW_PREFIX}{field.name}" for field in dataclasses.fields(CacheLayout)]  # a row's layout
 
 
 @dataclass
@@ -38,18 +44,17 @@ class Cohort:
     roof_source: str  # measured | datasheet
     roof_description: str  # which calibration or datasheet, and why
     decode_tokens: int  # decode steps per point (the most common value)
-    rows: pd.DataFrame  # every row of the group, whatever its status
+    rows: pd.DataFrame  # every row of the cohort, whatever its status
     ok: pd.DataFrame  # rows with status ok, a prediction, a usable step time, not noisy: what absolute times and fits use
     unusable: pd.DataFrame = field(default_factory=pd.DataFrame)  # status ok, but no finite step time above 0
     lines: pd.DataFrame = field(default_factory=pd.DataFrame)  # the analytic lines at this roof (curves.AnalyticTables.lines)
-    held: pd.DataFrame = field(default_factory=pd.DataFrame)  # bytes per token held by each series (AnalyticTables.held)
-    figures: dict = field(default_factory=dict)  # the shape's kv_bytes_per_token, weight_bytes, tokens_to_match_weights
+    figures: dict = field(default_factory=dict)  # the shape's kv_bytes_per_token, weight_bytes, tokens_to_match_weights (its rows' columns)
     timed: pd.DataFrame = field(default_factory=pd.DataFrame)  # `ok` and the noisy rows beside it (`noisy` a bool):
     # what ratios between members timed together and memory use, which a busy machine does not break
 
     def line(self, series: str | None, batch: int, column: str) -> tuple[np.ndarray, np.ndarray]:
         """(contexts, the analytic `column` at each) of a series at a batch, along the context grid, which
-        spans the group's contexts and holds each of them; series None: any (a figure of no layout)."""
+        spans the cohort's contexts and holds each of them; series None: any (a figure of no layout)."""
         lines = self.lines if series is None else self.lines[self.lines[SERIES] == series]
         if series is None and len(lines):
             lines = lines[lines[SERIES] == lines[SERIES].iloc[0]]
@@ -62,11 +67,6 @@ class Cohort:
         found = values[contexts == int(ctx)]
         return float(found[0]) if len(found) else float("nan")
 
-    def held_at(self, series: str, tokens: int) -> float:
-        """Cache bytes per token a sequence of `series` holds at `tokens` tokens."""
-        found = self.held[(self.held[SERIES] == series) & (self.held["tokens"] == int(tokens))]
-        return float(found["kv_bytes_per_token_held"].iloc[0]) if len(found) else float("nan")
-
     @property
     def title(self) -> str:
         matmul = f" · {self.matmul_kernel}" if self.matmul_kernel else ""
@@ -74,16 +74,22 @@ class Cohort:
 
     @property
     def slug(self) -> str:
+        """The cohort in its plots' file names: one name (a row's names are a foreign writer's too, so no
+        separator or control character), at most SLUG_MAX characters (a long one ends in its hash)."""
         matmul = f"_{self.matmul_kernel.split('.')[0]}" if self.matmul_kernel else ""
         machine = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()[:40]
-        return f"{self.model}_{self.device}_{machine}_{self.dtype}{matmul}"
+        named = f"{self.model}_{self.device}_{machine}_{self.dtype}{matmul}"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", named)
+        if len(slug) > SLUG_MAX:
+            slug = f"{slug[:SLUG_MAX - 13]}-{hashlib.sha256(named.encode()).hexdigest()[:12]}"
+        return slug
 
     @property
     def model_key(self) -> str:
         """The model as a command line names it: `model=<preset>` where the rows' model is a preset of
         conf/model/ or their checkpoint is a preset's (a checkpoint's rows are named after its file,
         which is no preset), else `model.checkpoint=<the file or folder the rows read>`."""
-        if (config_dir() / "model" / f"{self.model}.yaml").is_file():
+        if is_preset(self.model):
             return f"model={self.model}"
         checkpoints = self.rows["checkpoint"].dropna() if "checkpoint" in self.rows else pd.Series(dtype=object)
         if not len(checkpoints):
@@ -92,7 +98,7 @@ class Cohort:
         return f"model={preset}" if preset else f"model.checkpoint={checkpoints.iloc[0]}"
 
     def strategies(self) -> list[str]:
-        """The strategies of the group's ok rows: the recompute reference first, then by name."""
+        """The strategies of the cohort's ok rows: the recompute reference first, then by name."""
         return ordered_strategies(self.ok)
 
     def plain_cache(self) -> str | None:
@@ -107,6 +113,17 @@ class Cohort:
 
 # What the report needs to know of a strategy, it reads from the row's capability columns (caches_kv,
 # exact, cache_*), never from its name: a strategy added later appears in every table and plot.
+
+
+def is_preset(name: str) -> bool:
+    """Whether `name` is a preset of conf/model/ (a foreign row's model may be any text: no file, or none a
+    file can have)."""
+    if Path(name).name != name:
+        return False
+    try:
+        return (config_dir() / "model" / f"{name}.yaml").is_file()
+    except OSError:  # a name longer than a file's
+        return False
 
 
 def preset_of_checkpoint(path: str) -> str | None:
@@ -129,8 +146,8 @@ def newest_per_point(rows: pd.DataFrame, point_columns) -> pd.DataFrame:
     return rows.drop_duplicates(subset=point_columns, keep="last")
 
 
-def reference_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the recompute-everything reference: strategies that keep no cache."""
+def recompute_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the recompute reference: strategies that keep no cache."""
     return rows[~rows["caches_kv"].fillna(False).astype(bool)]
 
 
@@ -139,37 +156,50 @@ def cached_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[rows["caches_kv"].fillna(False).astype(bool)]
 
 
+def could_be_references(rows: pd.DataFrame) -> pd.Series:
+    """Each row's answer to the one reference rule (harness.config.layout.could_be_reference), read from its
+    `exact` flag and its cache_* columns (harness.store.recorded.layout_of); answered once per kind of row."""
+    columns = ["exact", "caches_kv", *LAYOUT_COLUMNS]
+    answers: dict[tuple, bool] = {}
+    found = []
+    for values in rows[columns].astype(object).itertuples(index=False, name=None):
+        kind = tuple(None if pd.isna(value) else value for value in values)
+        if kind not in answers:
+            recorded = dict(zip(columns, kind))
+            answers[kind] = could_be_reference(bool(recorded["exact"]), layout_of(recorded))
+        found.append(answers[kind])
+    return pd.Series(found, index=rows.index, dtype=bool)
+
+
 def plain_cache_strategy(rows: pd.DataFrame) -> str | None:
-    """The plainest exact cache among the rows: a contiguous table in the compute dtype, read up to its
-    fill (no blocks, no max_len span, no copies, no quantization); the lexically first when several
-    qualify, any exact cache when none does."""
+    """The series the others are set against where the rows name none (older rows; the no-cache figures): a
+    cache that could be a reference by the one rule (could_be_references), else any exact cache, else any
+    cache; the lexically first where several qualify."""
     cached = cached_rows(rows)
     if cached.empty:
         return None
-    exact = cached[cached["exact"].fillna(False).astype(bool)] if "exact" in cached else cached
-    plain = exact
-    for column, plain_value in (("cache_block_size", 1), ("cache_reads_max_len", False),
-                                ("cache_copies_per_step", False), ("cache_value_bits", 0)):
-        if column in plain:
-            plain = plain[plain[column].fillna(plain_value) == plain_value]
+    exact = cached[cached["exact"].fillna(False).astype(bool)]
+    plain = cached[could_be_references(cached)]
     pool = plain if not plain.empty else (exact if not exact.empty else cached)
     return sorted(pool[SERIES].unique())[0]
 
 
 def ordered_strategies(rows: pd.DataFrame) -> list[str]:
-    """Strategy names of the rows: the references first, then the caches, each by name."""
-    references = set(reference_rows(rows)[SERIES])
-    return sorted(rows[SERIES].unique(), key=lambda s: (s not in references, s))
+    """Strategy names of the rows: the recompute references first, then the caches, each by name."""
+    recomputes = set(recompute_rows(rows)[SERIES])
+    return sorted(rows[SERIES].unique(), key=lambda s: (s not in recomputes, s))
 
 
-def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> list[Cohort]:
-    """One Cohort per model/device/dtype with at least one predicted row, largest first; `analytic`:
-    the loader's tables for `table` (harness.analysis.curves.analytic_tables), built here when not given."""
+def cohorts_of(results: Results) -> list[Cohort]:
+    """One Cohort per model/device/dtype with at least one predicted row, largest first, from the loader's
+    rows and tables (harness.analysis.results.read_results)."""
+    table, analytic = results.rows, results.tables
     if table.empty or "roof_flops_used" not in table:
         return []
-    analytic = analytic or analytic_tables(table)
     found = []
-    table = _with_usual_conditions(table)
+    # A row the loader could not predict (an odd point, a dtype the model does not know) is in no cohort,
+    # plot or ratio: the report lists it, with why, among the rows not measured.
+    table = _with_usual_conditions(table[table["roof_source"] != "none"])
     for (model, device, device_name, dtype, matmul_kernel), rows in table.groupby(COHORT_KEYS, sort=True):
         predicted = rows[rows["roof_flops_used"].notna()]
         if predicted.empty:
@@ -177,7 +207,6 @@ def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> l
         first = predicted.iloc[0]
         roof = first[LINE_KEYS].tolist()
         lines = analytic.lines[(analytic.lines[LINE_KEYS] == roof).all(axis=1)]
-        held = analytic.held[(analytic.held["model"] == model) & (analytic.held["dtype"] == dtype)]
         ran = predicted[predicted["status"] == "ok"]
         usable = usable_step(ran)
         ran = ran.assign(noisy=noisy_flags(ran))
@@ -190,9 +219,21 @@ def cohorts_of(table: pd.DataFrame, analytic: AnalyticTables | None = None) -> l
             roof_source=str(first["roof_source"]), roof_description=str(first["roof_description"]),
             decode_tokens=int(rows["decode_tokens"].mode().iloc[0]),
             rows=rows, ok=ok, timed=timed, unusable=ran[~usable],
-            lines=lines, held=held, figures=analytic.shapes.get((model, dtype), {}),
+            lines=lines, figures=shape_figures(predicted),
         ))
     return sorted(found, key=lambda g: -len(g.timed))
+
+
+def shape_figures(rows: pd.DataFrame) -> dict:
+    """The shape's figures its rows carry (kv_bytes_per_token, weight_bytes, tokens_to_match_weights: one
+    model and dtype, so one value each), {} where no row carries all three."""
+    columns = ["kv_bytes_per_token", "weight_bytes", "tokens_to_match_weights"]
+    carried = rows[columns].dropna()
+    if carried.empty:
+        return {}
+    first = carried.iloc[0]
+    return {"kv_bytes_per_token": int(first["kv_bytes_per_token"]), "weight_bytes": int(first["weight_bytes"]),
+            "tokens_to_match_weights": float(first["tokens_to_match_weights"])}
 
 
 def noisy_flags(rows: pd.DataFrame) -> pd.Series:

@@ -185,10 +185,10 @@ def _point_paragraph(found: list[Variant], batch: int, ctx: int) -> str:
 HEADING = "What compressing the cache trades"
 
 
-def compression_section(groups: list[Cohort], folder: Path) -> list[Block]:
+def compression_section(cohorts: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = []
-    for group in groups:
-        ran = ran_rows(group)
+    for cohort in cohorts:
+        ran = ran_rows(cohort)
         if ran.empty or not compressed(ran).any():
             continue
         reference = reference_series(ran)
@@ -199,14 +199,14 @@ def compression_section(groups: list[Cohort], folder: Path) -> list[Block]:
                 continue
             label = f"batch {batch:,}, ctx {ctx:,}"
             drawn = sum(isinstance(block, Figure) for block in blocks)
-            picture: Block = (Figure(tradeoff_plot(label, found, f"compression_{group.slug}_b{batch}_ctx{ctx}.png",
-                                                   group.title, folder), CAPTION) if drawn < MAX_PLOTS else
+            picture: Block = (Figure(tradeoff_plot(label, found, f"compression_{cohort.slug}_b{batch}_ctx{ctx}.png",
+                                                   cohort.title, folder), CAPTION) if drawn < MAX_PLOTS else
                               Paragraph(f"*(plot omitted: the first {MAX_PLOTS} points of this cohort are drawn, so "
                                         "that a folder of many points stays bounded; the table holds this one)*"))
             blocks += [Heading(label, 4), picture, Paragraph(_point_paragraph(found, batch, ctx)),
                        Table(HEADER, [table_row(v) for v in found], [False] + [True] * 10)]
         if blocks:
-            out += [Heading(group.title, 3), Paragraph(weights_note(group)), *blocks]
+            out += [Heading(cohort.title, 3), Paragraph(weights_note(cohort)), *blocks]
     if not out:
         return [Heading(HEADING), Paragraph("No cache that keeps fewer tokens, layers or key channels ran here: "
                           "`python -m harness.run +sweep=kv_compression` puts eviction, cross-layer sharing and "

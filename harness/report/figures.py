@@ -21,9 +21,10 @@ import matplotlib.ticker  # noqa: E402
 from matplotlib.font_manager import FontProperties  # noqa: E402
 
 from harness.files import write_whole  # noqa: E402
+from harness.report.outputs import claim  # noqa: E402
 
 DPI = 110  # every PNG's resolution
-REFERENCE_COLOUR = "#d62728"  # the recompute reference, in every plot
+RECOMPUTE_COLOUR = "#d62728"  # the recompute reference, in every plot
 PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]  # one per series
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]  # one per series where colour already means something else
 TITLE_SIZE = 10  # points: a figure's title
@@ -86,9 +87,11 @@ def discard_open() -> None:
 
 def save(fig, folder: Path, name: str) -> Path:
     """Write the figure as `folder/name` through the one atomic writer (harness.files.write_whole): a
-    reader, or a report killed half-way, sees the previous PNG or this one, never half of one."""
+    reader, or a report killed half-way, sees the previous PNG or this one, never half of one. Named first
+    in the folder's manifest (harness.report.outputs), so that only what the report wrote is ever removed."""
     path = Path(folder) / name
     try:  # savefig runs the constrained layout once, at this resolution, then draws
+        claim(path)
         write_whole(path, lambda handle: fig.savefig(handle, format="png", dpi=DPI))
     finally:
         plt.close(fig)

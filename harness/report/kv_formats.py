@@ -1,10 +1,10 @@
-"""The section "what fewer bytes buy": per group where a cache stored below the compute dtype's width
+"""The section "what fewer bytes buy": per cohort where a cache stored below the compute dtype's width
 (or any approximate cache) ran, one table and one plot of the trade-off. The table sets every cache
 variant of those points beside the exact reference cache: bytes held per token, the step time against
 the reference's (paired rounds of one group), and how far its outputs moved (KL divergence with its
 interval, p99 and max; same top-1; the perplexity ratio on a prompt file's text); exact variants read
 "exact". The plot puts bytes per token against mean KL, log axes, intervals as error bars, with the
-Pareto front drawn (harness.report.tradeoff computes every figure). Each group says where its accuracy
+Pareto front drawn (harness.report.tradeoff computes every figure). Each cohort says where its accuracy
 came from: a checkpoint's weights, or seeded random ones, which do not predict a real model's.
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ FRONT_CAPTION = (
     "beaten on both. Exact variants (KL 0) sit on the bottom line.")
 
 
-def weights_note(group: Cohort) -> str:
-    """Where the group's accuracy figures came from: random weights (with the warning), a checkpoint
+def weights_note(cohort: Cohort) -> str:
+    """Where the cohort's accuracy figures came from: random weights (with the warning), a checkpoint
     (its folder and hash) and the prompt (a file, or random ids)."""
-    rows = narrow_or_approximate(ran_rows(group))
+    rows = narrow_or_approximate(ran_rows(cohort))
     weights = rows["weights"]
     parts = []
     if (weights == "checkpoint").any():
@@ -104,7 +104,7 @@ def table_row(point: VariantPoint, front: set, contexts: list[int]) -> list[str]
             _number(accuracy.kl_max), _number(accuracy.top1), perplexity, scored, front_cell(point, front, contexts)]
 
 
-def front_plot(group: Cohort, found: list[FrontPoint], front: set, folder: Path) -> Path | None:
+def front_plot(cohort: Cohort, found: list[FrontPoint], front: set, folder: Path) -> Path | None:
     """Bytes per token against mean KL, one panel per context the accuracy followed, the front drawn."""
     if not found:
         return None
@@ -137,8 +137,8 @@ def front_plot(group: Cohort, found: list[FrontPoint], front: set, folder: Path)
         ax.grid(True, which="major", alpha=0.3)
     axes[0][0].set_ylabel("mean KL(reference ‖ variant), nats")
     legend_outside(fig, axes[0], "filled: on the front")
-    title(fig, f"What fewer bytes buy: bytes per token against accuracy\n{group.title}")
-    return save(fig, folder, f"bytes_vs_kl_{group.slug}.png")
+    title(fig, f"What fewer bytes buy: bytes per token against accuracy\n{cohort.title}")
+    return save(fig, folder, f"bytes_vs_kl_{cohort.slug}.png")
 
 
 def front_sentence(found: list[FrontPoint], front: set) -> str:
@@ -156,34 +156,34 @@ def front_sentence(found: list[FrontPoint], front: set) -> str:
             "bytes or more for as much KL or more.")
 
 
-def _group_blocks(group: Cohort, folder: Path) -> list[Block]:
-    ran = ran_rows(group)
+def _cohort_blocks(cohort: Cohort, folder: Path) -> list[Block]:
+    ran = ran_rows(cohort)
     reference = reference_series(ran)
-    points = variant_points(group)
-    out: list[Block] = [Heading(group.title, 3), Paragraph(weights_note(group))]
+    points = variant_points(cohort)
+    out: list[Block] = [Heading(cohort.title, 3), Paragraph(weights_note(cohort))]
     if not points:
         return out + [Paragraph("No exact cache ran beside these narrow caches, so there is nothing to set their bytes, "
                                 "speed and accuracy against: add `strategy=contiguous` to the sweep.")]
-    missing = missing_columns(group, reference)
+    missing = missing_columns(cohort, reference)
     if missing:
         out.append(Paragraph("Not recorded in these rows (written before the harness measured them, or without an "
                              f"accuracy pass): {', '.join(f'`{c}`' for c in missing)}; their cells read –."))
-    found = front_points(group, points)
+    found = front_points(points)
     front = pareto_front(found)
     contexts = sorted({p.accuracy_ctx for p in found})
     out += [Paragraph(f"Ratios against `{reference}`, the exact cache measured in the same rounds."),
             Table(HEADER, [table_row(p, front, contexts) for p in points], [False, False] + [True] * 12 + [False])]
     if front:
         out.append(Paragraph(front_sentence(found, front)))
-    path = front_plot(group, found, front, folder)
+    path = front_plot(cohort, found, front, folder)
     out.append(Figure(path, FRONT_CAPTION) if path is not None else
-               Paragraph(f"*(plot omitted: no approximate variant here has a measured KL: {_why_unscored(group)})*"))
+               Paragraph(f"*(plot omitted: no approximate variant here has a measured KL: {_why_unscored(cohort)})*"))
     return out
 
 
-def _why_unscored(group: Cohort) -> str:
-    """Why the group's approximate variants scored nothing, as their rows say."""
-    rows = narrow_or_approximate(ran_rows(group))
+def _why_unscored(cohort: Cohort) -> str:
+    """Why the cohort's approximate variants scored nothing, as their rows say."""
+    rows = narrow_or_approximate(ran_rows(cohort))
     if len(rows) and (rows["prefill"] == "random").all():
         return "with prefill=random no prompt runs, so nothing is scored"
     reasons = rows["accuracy_reference"].dropna().unique()
@@ -191,7 +191,7 @@ def _why_unscored(group: Cohort) -> str:
         "no accuracy pass ran for these rows"
 
 
-def format_section(groups: list[Cohort], folder: Path) -> list[Block]:
+def format_section(cohorts: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("What fewer bytes buy"), Paragraph(
         "Per group where a cache stored below the compute dtype's width (or an approximate one) ran: every cache "
         "variant at those points beside the exact reference cache. Bytes per token held at the point's length "
@@ -201,11 +201,11 @@ def format_section(groups: list[Cohort], folder: Path) -> list[Block]:
         "reference with its 95% interval, its p99 and max, the share with the same top-1 token, and with a "
         "prompt file the perplexity ratio on its text. Exact variants read `exact`.")]
     shown = False
-    for group in groups:
-        if narrow_or_approximate(ran_rows(group)).empty:
+    for cohort in cohorts:
+        if narrow_or_approximate(ran_rows(cohort)).empty:
             continue
         shown = True
-        out += _group_blocks(group, folder)
+        out += _cohort_blocks(cohort, folder)
     if not shown:
         out.append(Paragraph("No quantized cache ran beside the plain cache here, e.g. "
                              "`python -m harness.run -m strategy=quantized strategy.format=int8,int4,fp8_e4m3` and "

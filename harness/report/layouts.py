@@ -20,11 +20,11 @@ HEADER = ["batch", "ctx", "rank", "strategy", "step measured ±95%", "step ÷ fa
           "cache allocated", "cache its tokens need", "allocated ÷ needed"]
 
 
-def ranking_rows(group: Cohort) -> list[list[str]]:
-    """One line per cache at every (batch, ctx) of the group where two or more caches ran, ranked by
+def ranking_rows(cohort: Cohort) -> list[list[str]]:
+    """One line per cache at every (batch, ctx) of the cohort where two or more caches ran, ranked by
     pooled median step; each against the fastest with the paired interval (a tie where it holds 1)."""
     body = []
-    cached = cached_rows(group.timed).dropna(subset=["decode_step_s"])  # a noisy row's ratio is kept, marked
+    cached = cached_rows(cohort.timed).dropna(subset=["decode_step_s"])  # a noisy row's ratio is kept, marked
     for (batch, ctx), rows in cached.groupby(["batch", "ctx"], sort=True):
         if rows[SERIES].nunique() < 2:
             continue
@@ -44,7 +44,7 @@ def ranking_rows(group: Cohort) -> list[list[str]]:
     return body
 
 
-def layout_section(groups: list[Cohort], folder: Path) -> list[Block]:
+def layout_section(cohorts: list[Cohort], folder: Path) -> list[Block]:
     out: list[Block] = [Heading("Which layout wins where"), Paragraph(
         "Per point, the caches ranked by measured step time (pooled over repeats), each against the fastest "
         "with the 95% interval of the ratio over rounds timed together; a ratio whose interval holds 1 is a tie. "
@@ -54,14 +54,14 @@ def layout_section(groups: list[Cohort], folder: Path) -> list[Block]:
         "what its tokens need is batch × tokens at the layout's stored width: the ratio is a paged cache's "
         "fragmentation (whole blocks), a static table's unfilled positions, a residual window's full width.")]
     shown = False
-    for group in groups:
-        body = ranking_rows(group)
+    for cohort in cohorts:
+        body = ranking_rows(cohort)
         if not body:
             continue
         shown = True
-        out.append(Heading(group.title, 3))
+        out.append(Heading(cohort.title, 3))
         out.append(Table(HEADER, body, [True, True, True, False] + [True] * 7))
-        path = plots.step_time_vs_context(group, folder, cached_only=True)
+        path = plots.step_time_vs_context(cohort, folder, cached_only=True)
         if path is not None:
             out.append(Figure(path, "Step time against context per layout: dots measured (bars: 95% interval), lines the "
                                     "roofline of each layout's bytes and FLOPs."))

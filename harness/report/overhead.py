@@ -17,7 +17,7 @@ from harness.report.cohorts import Cohort, cached_rows, newest_per_point
 
 GEMV_TOLERANCE = 0.05  # a matrix-vector read within this of the roof counts as having set it
 EAGER, COMPILED = "none", "inductor"  # the values of the `compile` column (harness.config.validate)
-POINT = [SERIES, "batch", "ctx", "decode_tokens"]  # a point's identity within a group, compile mode aside
+POINT = [SERIES, "batch", "ctx", "decode_tokens"]  # a point's identity within a cohort, compile mode aside
 
 UNEXPLAINED_HEADER = ["series", "compile", "batch", "ctx", "step measured", "step roofline", "unexplained share",
                       "unexplained time"]
@@ -66,14 +66,14 @@ def _gemv_sentence(found: pd.DataFrame) -> str:
             f"rate would already leave {1 - gemv / roof:.0%} of its time unexplained.")
 
 
-def _unexplained_section(groups: list[Cohort]) -> list[Block]:
+def _unexplained_section(cohorts: list[Cohort]) -> list[Block]:
     out: list[Block] = [Heading("What the roofline does not explain"), Paragraph(
         "Per cached point: the measured step, the roofline time (max of FLOPs ÷ peak and bytes ÷ bandwidth) "
         "and the share of the step the roofline does not account for, 1 − roofline ÷ measured, with that "
         "time in ms. Noisy rows are left out.")]
     shown = False
-    for group in groups:
-        found = unexplained(group.ok).sort_values([SERIES, "compile", "batch", "ctx"])
+    for cohort in cohorts:
+        found = unexplained(cohort.ok).sort_values([SERIES, "compile", "batch", "ctx"])
         if found.empty:
             continue
         shown = True
@@ -81,9 +81,9 @@ def _unexplained_section(groups: list[Cohort]) -> list[Block]:
                  fmt.seconds(r["decode_step_s"]), fmt.seconds(r["predicted_step_s"]),
                  f"{r['share']:.0%}" + (" (faster than its roof: noisy)" if r["faster"] else ""),
                  f"{r['gap_s'] * 1e3:.3g} ms"] for _, r in found.iterrows()]
-        out += [Heading(group.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]
+        out += [Heading(cohort.title, 3), Table(UNEXPLAINED_HEADER, body, [False, False] + [True] * 6)]
         sentence = (f"Median unexplained share: {found['share'].median():.0%} of the step, over {len(found)} "
-                    f"point(s). {CPU_CAUSES if group.device == 'cpu' else GPU_CAUSES}{_gemv_sentence(found)}")
+                    f"point(s). {CPU_CAUSES if cohort.device == 'cpu' else GPU_CAUSES}{_gemv_sentence(found)}")
         faster = int(found["faster"].sum())
         if faster:
             sentence += (f" {faster} row(s) ran faster than the roofline allows: their share is shown as 0, and "
@@ -99,10 +99,10 @@ def _newest(rows: pd.DataFrame) -> pd.DataFrame:
     return newest_per_point(rows, POINT).set_index(POINT)
 
 
-def pairs(group: Cohort) -> pd.DataFrame:
-    """The group's points measured both eager and compiled: eager_s, compiled_s, speedup, compile_s,
+def pairs(cohort: Cohort) -> pd.DataFrame:
+    """The cohort's points measured both eager and compiled: eager_s, compiled_s, speedup, compile_s,
     recompiles per point. A mode measured without its partner is left out."""
-    rows = group.ok.dropna(subset=["decode_step_s"])
+    rows = cohort.ok.dropna(subset=["decode_step_s"])
     rows = rows.assign(compile=compile_mode(rows))
     eager = _newest(rows[rows["compile"] == EAGER])
     compiled = _newest(rows[rows["compile"] == COMPILED])
@@ -116,25 +116,25 @@ def pairs(group: Cohort) -> pd.DataFrame:
     return found.assign(speedup=found["eager_s"] / found["compiled_s"]).sort_index()
 
 
-def _compiled_section(groups: list[Cohort]) -> list[Block]:
+def _compiled_section(cohorts: list[Cohort]) -> list[Block]:
     out: list[Block] = [Heading("Eager against compiled"), Paragraph(
         "Points measured with both `compile=none` and `compile=inductor` (same series, batch, ctx and decode "
         "steps): the eager and the compiled step, the speedup (eager ÷ compiled), the seconds spent compiling "
         "before timing, and the graphs recompiled during the timed steps. Points measured in one mode only "
         "are not shown.")]
     shown = False
-    for group in groups:
-        found = pairs(group)
+    for cohort in cohorts:
+        found = pairs(cohort)
         if found.empty:
             continue
         shown = True
         body = [[str(series), fmt.count(batch), fmt.count(ctx), fmt.count(steps), fmt.seconds(p["eager_s"]),
                  fmt.seconds(p["compiled_s"]), fmt.ratio(p["speedup"]), fmt.number(p["compile_s"]),
                  fmt.count(p["recompiles"])] for (series, batch, ctx, steps), p in found.iterrows()]
-        out += [Heading(group.title, 3), Table(PAIR_HEADER, body, [False] + [True] * 8),
+        out += [Heading(cohort.title, 3), Table(PAIR_HEADER, body, [False] + [True] * 8),
                 Paragraph(f"Median speedup: {fmt.ratio(found['speedup'].median())} over {len(found)} point(s).")]
     if not shown:
-        first = groups[0] if groups else None  # none: the run's defaults stand for the model and device
+        first = cohorts[0] if cohorts else None  # none: the run's defaults stand for the model and device
         cached = first.plain_cache_strategy_name() if first else None  # none: the run's default strategy
         where = f"{first.model_key} " if first else ""
         keys = f"{where}{f'strategy={cached} ' if cached else ''}compile={EAGER},{COMPILED} batch=1,4 ctx=256,1024"
@@ -144,6 +144,6 @@ def _compiled_section(groups: list[Cohort]) -> list[Block]:
     return out
 
 
-def overhead_section(groups: list[Cohort], folder: Path) -> list[Block]:
+def overhead_section(cohorts: list[Cohort], folder: Path) -> list[Block]:
     """Both sections; `folder` (where plots go) is taken like the other sections' though none is drawn."""
-    return _unexplained_section(groups) + _compiled_section(groups)
+    return _unexplained_section(cohorts) + _compiled_section(cohorts)

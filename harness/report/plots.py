@@ -3,7 +3,7 @@
 Every function takes one Cohort (one model, device, dtype) and the folder to write to, and returns the
 path of the PNG, or None when the rows at hand cannot show what the plot is about (the report then
 says so instead of drawing an empty frame). One exception: comparison_ratios draws the points two runs
-share (harness.report.compare), which span groups.
+share (harness.report.compare), which span cohorts.
 
 Rows flagged noisy are drawn, hollow and named so, wherever a plot shows ratios between members timed
 in the same rounds or memory (Cohort.timed); only the step-time plot, which sets absolute times against
@@ -18,8 +18,8 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from harness.report.cohorts import Cohort, cached_rows, newest_per_point, ordered_strategies, reference_rows, SERIES
-from harness.report.figures import (MARKERS, PALETTE, REFERENCE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
+from harness.report.cohorts import Cohort, cached_rows, newest_per_point, ordered_strategies, recompute_rows, SERIES
+from harness.report.figures import (MARKERS, PALETTE, RECOMPUTE_COLOUR, as_ratio, in_units, legend_outside, log_scale,
                                     new_figure, save, title)
 from harness.report.tradeoff import point_ratio, reference_series
 
@@ -29,12 +29,12 @@ MAX_BARS = 80  # bars one plot draws: a folder of thousands of points draws the 
 BATCH_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
-def _colours(group: Cohort) -> dict[str, str]:
-    """One colour per strategy within a group, the same in every plot of it (the reference's red)."""
-    references, caches = set(reference_rows(group.rows)[SERIES]), set(cached_rows(group.rows)[SERIES])
-    cached = [s for s in ordered_strategies(group.rows) if s in caches]
+def _colours(cohort: Cohort) -> dict[str, str]:
+    """One colour per strategy within a cohort, the same in every plot of it (the recompute reference's red)."""
+    recomputes, caches = set(recompute_rows(cohort.rows)[SERIES]), set(cached_rows(cohort.rows)[SERIES])
+    cached = [s for s in ordered_strategies(cohort.rows) if s in caches]
     colours = {s: STRATEGY_COLOURS[i % len(STRATEGY_COLOURS)] for i, s in enumerate(cached)}
-    return {**colours, **dict.fromkeys(references, REFERENCE_COLOUR)}
+    return {**colours, **dict.fromkeys(recomputes, RECOMPUTE_COLOUR)}
 
 
 def floats(values) -> np.ndarray:
@@ -59,32 +59,32 @@ def _context_axis(ax, ctxs) -> None:
     ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
 
 
-def _line(group: Cohort, series, batch, column: str, ctxs) -> tuple[np.ndarray, np.ndarray]:
+def _line(cohort: Cohort, series, batch, column: str, ctxs) -> tuple[np.ndarray, np.ndarray]:
     """The analytic line of a series at a batch (Cohort.line), over the measured contexts `ctxs` and a
     little beyond each end."""
-    grid, values = group.line(series, batch, column)
+    grid, values = cohort.line(series, batch, column)
     keep = (grid >= min(ctxs) / 1.5 - 1) & (grid <= max(ctxs) * 1.5)
     return grid[keep], values[keep]
 
 
-def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False) -> Optional[Path]:
+def step_time_vs_context(cohort: Cohort, folder: Path, cached_only: bool = False) -> Optional[Path]:
     """Decode step time against context, one panel per batch: points measured, lines the roofline.
     cached_only: the caches alone (the layouts compared), without the recompute reference."""
-    ok = group.ok  # every step time in it is finite and above 0 (cohorts.usable_step)
+    ok = cohort.ok  # every step time in it is finite and above 0 (cohorts.usable_step)
     if cached_only:
         ok = cached_rows(ok)
     if ok.empty:
         return None
     batches = sorted(ok["batch"].unique())
     fig, axes = new_figure(4.2 * len(batches) + 2.4, 4.2, columns=len(batches), squeeze=False, sharey=True)
-    colours = _colours(group)
+    colours = _colours(cohort)
     for ax, batch in zip(axes[0], batches):
         rows = ok[ok["batch"] == batch]
         for strategy in ordered_strategies(ok):
             mine = rows[rows[SERIES] == strategy].sort_values("ctx")
             if mine.empty:
                 continue
-            ax.plot(*_line(group, strategy, batch, "predicted_step_s", ok["ctx"]), "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
+            ax.plot(*_line(cohort, strategy, batch, "predicted_step_s", ok["ctx"]), "-", color=colours.get(strategy, OTHER_COLOUR), alpha=0.55, lw=1.6)
             err = None
             bounds = [(low, high) for low, high in (("decode_step_ci_low_s", "decode_step_ci_high_s"),
                                                     ("decode_step_p10_s", "decode_step_p90_s"))
@@ -104,27 +104,27 @@ def step_time_vs_context(group: Cohort, folder: Path, cached_only: bool = False)
     axes[0][0].set_ylabel("decode step time")
     axes[0][0].plot([], [], "-", color="#888", label="roofline (lines)")  # legend entry for the lines
     legend_outside(fig, axes[0], "dots: measured (bars: 95% interval)")
-    title(fig, f"Decode step time: measured points, roofline prediction lines ({group.roof_source} roof)\n{group.title}")
-    return save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{group.slug}.png")
+    title(fig, f"Decode step time: measured points, roofline prediction lines ({cohort.roof_source} roof)\n{cohort.title}")
+    return save(fig, folder, f"step_time_{'layouts_' if cached_only else ''}{cohort.slug}.png")
 
 
-def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
+def no_cache_over_cache(cohort: Cohort, folder: Path) -> Optional[Path]:
     """FLOP ratio, roofline time ratio and measured time ratio of no cache over cache, across context;
     a measured ratio drawing on a noisy row hollow."""
-    ok = group.timed  # every step time in it is finite and above 0 (cohorts.usable_step)
-    cached_name = group.plain_cache()
-    if cached_name is None or reference_rows(ok).empty:
+    ok = cohort.timed  # every step time in it is finite and above 0 (cohorts.usable_step)
+    cached_name = cohort.plain_cache()
+    if cached_name is None or recompute_rows(ok).empty:
         return None
-    recompute = sorted(reference_rows(ok)[SERIES].unique())[0]  # the no-cache line: any reference's
+    recompute = sorted(recompute_rows(ok)[SERIES].unique())[0]  # the no-cache line: any recompute reference's
     batches = sorted(ok["batch"].unique())
     fig, ax = new_figure(10.5, 5.0)
-    grid, full_flops = _line(group, recompute, batches[0], "flops_per_step_model", ok["ctx"])
-    flop_ratio = full_flops / _line(group, cached_name, batches[0], "flops_per_step_model", ok["ctx"])[1]
+    grid, full_flops = _line(cohort, recompute, batches[0], "flops_per_step_model", ok["ctx"])
+    flop_ratio = full_flops / _line(cohort, cached_name, batches[0], "flops_per_step_model", ok["ctx"])[1]
     ax.plot(grid, flop_ratio, "-", color="black", lw=2.2, label="FLOP ratio (analytic, any batch)")
     for i, batch in enumerate(batches):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
-        grid, full_step = _line(group, recompute, batch, "predicted_step_s", ok["ctx"])
-        time_ratio = full_step / _line(group, cached_name, batch, "predicted_step_s", ok["ctx"])[1]
+        grid, full_step = _line(cohort, recompute, batch, "predicted_step_s", ok["ctx"])
+        time_ratio = full_step / _line(cohort, cached_name, batch, "predicted_step_s", ok["ctx"])[1]
         ax.plot(grid, time_ratio, "--", color=colour, lw=1.4, label=f"roofline time ratio, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(cached_rows(ok))):
             noisy = noisy_contexts(ok, int(batch), strategy)
@@ -137,35 +137,35 @@ def no_cache_over_cache(group: Cohort, folder: Path) -> Optional[Path]:
     _context_axis(ax, ok["ctx"])
     log_scale(ax, "y", as_ratio)
     ax.set_xlabel("context (tokens before the first decode step)")
-    reference = ", ".join(sorted(reference_rows(ok)[SERIES].unique()))
-    ax.set_ylabel(f"{reference} ÷ cache, per decode step")
+    recomputes = ", ".join(sorted(recompute_rows(ok)[SERIES].unique()))
+    ax.set_ylabel(f"{recomputes} ÷ cache, per decode step")
     ax.grid(True, which="major", alpha=0.3)
     legend_outside(fig, [ax])
     title(fig, f"What a cache saves: FLOPs (black) against time (dashed: roofline of {cached_name}, "
-               f"markers: measured per cache)\n{group.title}")
-    return save(fig, folder, f"no_cache_over_cache_{group.slug}.png")
+               f"markers: measured per cache)\n{cohort.title}")
+    return save(fig, folder, f"no_cache_over_cache_{cohort.slug}.png")
 
 
 def measured_ratio(ok, batch: int, cached_name: str) -> list[tuple[int, float]]:
-    """(ctx, reference step time / cached step time) where both ran at this batch."""
+    """(ctx, recompute reference's step time / cached step time) where both ran at this batch."""
     rows = ok[ok["batch"] == batch]
-    slow = reference_rows(rows).groupby("ctx")["decode_step_s"].median()
+    slow = recompute_rows(rows).groupby("ctx")["decode_step_s"].median()
     fast = rows[rows[SERIES] == cached_name].groupby("ctx")["decode_step_s"].median()
     both = slow.index.intersection(fast.index)
     return [(int(c), float(slow[c] / fast[c])) for c in sorted(both)]
 
 
 def noisy_contexts(rows, batch: int, cached_name: str) -> set[int]:
-    """The contexts at which a reference's or `cached_name`'s row at this batch is flagged noisy."""
-    mine = rows[(rows["batch"] == batch) & (rows[SERIES].isin([cached_name, *reference_rows(rows)[SERIES]]))]
+    """The contexts at which a recompute reference's or `cached_name`'s row at this batch is flagged noisy."""
+    mine = rows[(rows["batch"] == batch) & (rows[SERIES].isin([cached_name, *recompute_rows(rows)[SERIES]]))]
     return {int(c) for c in mine.loc[mine["noisy"].astype(bool), "ctx"]} if "noisy" in mine else set()
 
 
-def step_ratio_vs_context(group: Cohort, folder: Path) -> Optional[Path]:
-    """Each member's step time ÷ the group's reference cache's (paired over rounds timed together, bars
+def step_ratio_vs_context(cohort: Cohort, folder: Path) -> Optional[Path]:
+    """Each member's step time ÷ its group's reference cache's (paired over rounds timed together, bars
     their 95% interval) against context, one panel per batch; a ratio drawing on a noisy row hollow.
     The plot a busy machine does not break: the members of a round share the load."""
-    timed = group.timed
+    timed = cohort.timed
     reference = reference_series(timed)
     if reference is None or timed[SERIES].nunique() < 2:
         return None
@@ -176,7 +176,7 @@ def step_ratio_vs_context(group: Cohort, folder: Path) -> Optional[Path]:
         return None
     batches = sorted({row["batch"] for row, _ in found})
     fig, axes = new_figure(4.2 * len(batches) + 2.6, 4.2, columns=len(batches), squeeze=False, sharey=True)
-    colours = _colours(group)
+    colours = _colours(cohort)
     for ax, batch in zip(axes[0], batches):
         for row, ratio in ((row, ratio) for row, ratio in found if row["batch"] == batch):
             r, colour = ratio.ratio, colours.get(row[SERIES], OTHER_COLOUR)
@@ -191,15 +191,15 @@ def step_ratio_vs_context(group: Cohort, folder: Path) -> Optional[Path]:
         ax.grid(True, which="major", alpha=0.3)
     axes[0][0].set_ylabel(f"step time ÷ {reference}'s")
     legend_outside(fig, axes[0], "hollow: a noisy row")
-    title(fig, f"Step time against the reference cache's, paired over rounds timed together\n{group.title}")
-    return save(fig, folder, f"step_ratio_{group.slug}.png")
+    title(fig, f"Step time against the reference cache's, paired over rounds timed together\n{cohort.title}")
+    return save(fig, folder, f"step_ratio_{cohort.slug}.png")
 
 
-def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
+def cache_bytes_vs_tokens(cohort: Cohort, folder: Path) -> Optional[Path]:
     """Cache bytes against batch x tokens, the weights as a line, the crossover marked."""
-    per_token, weights, crossover = (group.figures[k] for k in ("kv_bytes_per_token", "weight_bytes",
+    per_token, weights, crossover = (cohort.figures[k] for k in ("kv_bytes_per_token", "weight_bytes",
                                                                  "tokens_to_match_weights"))
-    cached = positive(cached_rows(group.timed), "kv_cache_bytes")  # bytes: noise does not move them
+    cached = positive(cached_rows(cohort.timed), "kv_cache_bytes")  # bytes: noise does not move them
     tokens = (cached["batch"] * (cached["ctx"] + cached["decode_tokens"])).to_numpy(float)
     high = max([crossover * 4, *(tokens * 2)])
     grid = np.geomspace(1, high, 100)
@@ -210,7 +210,7 @@ def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     ax.axvline(crossover, color="#d62728", ls=":", lw=1.4)
     ax.annotate(f"cache = weights at\n{crossover:,.0f} tokens", (crossover, weights), xytext=(8, -40),
                 textcoords="offset points", color="#d62728", fontsize=9)
-    colours = _colours(group)
+    colours = _colours(cohort)
     for strategy in sorted(cached[SERIES].unique()):
         mine = cached[cached[SERIES] == strategy]
         ax.plot(mine["batch"] * (mine["ctx"] + mine["decode_tokens"]), mine["kv_cache_bytes"], "o",
@@ -221,20 +221,20 @@ def cache_bytes_vs_tokens(group: Cohort, folder: Path) -> Optional[Path]:
     ax.set_ylabel("bytes")
     ax.grid(True, which="major", alpha=0.3)
     legend_outside(fig, [ax])
-    title(fig, f"KV cache against weights\n{group.title}")
-    return save(fig, folder, f"cache_bytes_{group.slug}.png")
+    title(fig, f"KV cache against weights\n{cohort.title}")
+    return save(fig, folder, f"cache_bytes_{cohort.slug}.png")
 
 
-def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
+def prefill_vs_decode(cohort: Cohort, folder: Path) -> Optional[Path]:
     """Left: analytic bytes per token of prefill and decode. Right: measured time per token of both, a
     noisy row's hollow and named so (a time per token, set against no roof)."""
-    ok = cached_rows(group.timed)  # step times usable (cohorts.usable_step)
-    ctxs = ok["ctx"] if not ok.empty else group.rows["ctx"]
+    ok = cached_rows(cohort.timed)  # step times usable (cohorts.usable_step)
+    ctxs = ok["ctx"] if not ok.empty else cohort.rows["ctx"]
     fig, (left, right) = new_figure(14.0, 4.8, columns=2)
     for i, batch in enumerate(sorted(set(ok["batch"]) or {1})):
         colour = BATCH_COLOURS[i % len(BATCH_COLOURS)]
-        grid, prefill = _line(group, None, batch, "prefill_bytes_per_token", ctxs)
-        decode = _line(group, None, batch, "decode_bytes_per_token", ctxs)[1]
+        grid, prefill = _line(cohort, None, batch, "prefill_bytes_per_token", ctxs)
+        decode = _line(cohort, None, batch, "decode_bytes_per_token", ctxs)[1]
         left.plot(grid, decode, "-", color=colour, lw=1.6, label=f"decode, batch {batch}")
         left.plot(grid, prefill, "--", color=colour, lw=1.6, label=f"prefill, batch {batch}")
         for j, strategy in enumerate(ordered_strategies(ok)):  # one marker per cache, one colour per batch
@@ -261,11 +261,11 @@ def prefill_vs_decode(group: Cohort, folder: Path) -> Optional[Path]:
         ax.grid(True, which="major", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # beside its own panel: the two panels' entries differ
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    title(fig, f"Prefill against decode, per token\n{group.title}")
-    return save(fig, folder, f"prefill_vs_decode_{group.slug}.png")
+    title(fig, f"Prefill against decode, per token\n{cohort.title}")
+    return save(fig, folder, f"prefill_vs_decode_{cohort.slug}.png")
 
 
-def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path]:
+def equal_batch_tokens(cohort: Cohort, sets: list, folder: Path) -> Optional[Path]:
     """Workloads with equal batch x ctx side by side: memory (left) and throughput (right)."""
     if not sets:
         return None
@@ -276,7 +276,7 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
             boundaries.append(len(labels) - 0.5)
         for _, row in rows.iterrows():
             labels.append(f"{int(row['batch'])}×{int(row['ctx'])}\n(= {product:,})")
-            analytic_cache.append(group.at(None, row["batch"], row["ctx"], "kv_cache_bytes_at_ctx"))
+            analytic_cache.append(cohort.at(None, row["batch"], row["ctx"], "kv_cache_bytes_at_ctx"))
             allocated.append(row["kv_cache_bytes"])
             peak.append(row.get("peak_memory_bytes"))
             measured_tps.append(row["tokens_per_s"])
@@ -304,13 +304,13 @@ def equal_batch_tokens(group: Cohort, sets: list, folder: Path) -> Optional[Path
         ax.grid(True, axis="y", alpha=0.25)
     legend_outside(fig, (mem, tps))
     strategy = sets[0][1][SERIES].iloc[0]
-    title(fig, f"Many short sequences against few long ones ({strategy})\n{group.title}")
-    return save(fig, folder, f"equal_batch_tokens_{group.slug}.png")
+    title(fig, f"Many short sequences against few long ones ({strategy})\n{cohort.title}")
+    return save(fig, folder, f"equal_batch_tokens_{cohort.slug}.png")
 
 
-def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
+def peak_memory_split(cohort: Cohort, folder: Path, split_of) -> Optional[Path]:
     """Peak memory of every ok row, stacked: weights, cache, the rest (split_of: summary.memory_split)."""
-    points = newest_per_point(group.timed, [SERIES, "batch", "ctx"]).sort_values([SERIES, "batch", "ctx"])
+    points = newest_per_point(cohort.timed, [SERIES, "batch", "ctx"]).sort_values([SERIES, "batch", "ctx"])
     rows = [(r, split) for _, r in points.iterrows() if (split := split_of(r)) is not None]
     if not rows:
         return None
@@ -327,12 +327,12 @@ def peak_memory_split(group: Cohort, folder: Path, split_of) -> Optional[Path]:
     ax.set_ylabel("MiB at the point's peak")
     ax.grid(True, axis="y", alpha=0.3)
     legend_outside(fig, [ax])
-    title(fig, f"Peak memory per point{shown}: weights, cache and the rest\n{group.title}")
-    return save(fig, folder, f"peak_memory_{group.slug}.png")
+    title(fig, f"Peak memory per point{shown}: weights, cache and the rest\n{cohort.title}")
+    return save(fig, folder, f"peak_memory_{cohort.slug}.png")
 
 
 KIND_STYLES = {  # how a compared point is drawn, by what its verdict means: (marker, colour)
-    "worse": ("o", REFERENCE_COLOUR), "better": ("o", "#2ca02c"), "unjudged": ("x", "#999999"),
+    "worse": ("o", RECOMPUTE_COLOUR), "better": ("o", "#2ca02c"), "unjudged": ("x", "#999999"),
     "same": ("o", STRATEGY_COLOURS[0]),
 }
 

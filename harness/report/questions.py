@@ -14,8 +14,8 @@ import pandas as pd
 from harness.report import guard
 from harness.report import units as fmt
 from harness.report.document import Block, Bullets, Heading, Paragraph, Table
-from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, reference_rows, SERIES
-from harness.report.plots import measured_ratio
+from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, recompute_rows, SERIES
+from harness.report.plots import measured_ratio, positive
 
 # `ref`: the example workload's figures, harness.analysis.curves.workload_figures (a dict of named
 # numbers, computed by the loader's step: this module does no arithmetic of the model).
@@ -34,12 +34,12 @@ def cacheable(ref: dict, table: pd.DataFrame) -> list[Block]:
         "token's query, which did not exist before. If caching were inexact, the cached strategies would "
         "generate different tokens from the reference (`no_cache`), which recomputes everything from the token ids.")]
     ok = table[(table["status"] == "ok")]
-    references = reference_rows(ok)
-    if references.empty:
+    recomputes = recompute_rows(ok)
+    if recomputes.empty:
         return out + [Paragraph("**Measured:** no rows of the recompute reference with token digests here, so "
                                 "nothing to compare.")]
     keys = ["model", "dtype", "device", "batch", "ctx", "decode_tokens", "prefill"]
-    reference = references[keys + ["tokens_digest"]].drop_duplicates(keys)
+    reference = recomputes[keys + ["tokens_digest"]].drop_duplicates(keys)
     lines = []
     for strategy in ordered_strategies(cached_rows(ok)):
         mine = ok[ok[SERIES] == strategy]
@@ -55,7 +55,7 @@ def cacheable(ref: dict, table: pd.DataFrame) -> list[Block]:
                   Bullets(lines or ["no point ran both the reference and a cached strategy"])]
 
 
-def bytes_per_token(ref: dict, groups: list[Cohort], published: pd.DataFrame) -> list[Block]:
+def bytes_per_token(ref: dict, cohorts: list[Cohort], published: pd.DataFrame) -> list[Block]:
     s = ref["shape"]
     out = [Heading("Cache bytes per token, for any shape and dtype", 3), Paragraph(
         "`kv_bytes_per_token = 2 × n_layers × n_kv_heads × head_dim × bytes_per_element`: one key and one "
@@ -68,7 +68,7 @@ def bytes_per_token(ref: dict, groups: list[Cohort], published: pd.DataFrame) ->
             for p in published.itertuples()]
     out.append(Table(header, body, [False, False, True, True, True]))
     measured = []
-    for g in groups:
+    for g in cohorts:
         cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
         cached = cached[(cached["kv_cache_bytes"] > 0) & (cached[SERIES] == g.plain_cache())]
         if cached.empty:
@@ -82,7 +82,7 @@ def bytes_per_token(ref: dict, groups: list[Cohort], published: pd.DataFrame) ->
     return out
 
 
-def growth(ref: dict, groups: list[Cohort]) -> list[Block]:
+def growth(ref: dict, cohorts: list[Cohort]) -> list[Block]:
     out = [Heading("How work grows with length: no cache against cache", 3), Paragraph(
         "Decode step i after a p-token prompt sits at context c = p + i. With a cache it runs one token: "
         "2 × (matmul weights) FLOPs plus one query over c + 1 keys (4 × (c + 1) × n_heads × head_dim per "
@@ -96,7 +96,7 @@ def growth(ref: dict, groups: list[Cohort]) -> list[Block]:
             for g in ref["growth"]]
     out += [Paragraph(f"{_ref_line(ref)}, batch 1:"), Table(header, body, [True] * len(header))]
     measured = []
-    for g in groups:
+    for g in cohorts:
         for strategy in g.strategies():
             for batch in sorted(g.ok["batch"].unique()):
                 rows = g.ok[(g.ok[SERIES] == strategy) & (g.ok["batch"] == batch)].dropna(subset=["decode_step_s"])
@@ -112,7 +112,7 @@ def growth(ref: dict, groups: list[Cohort]) -> list[Block]:
     return out
 
 
-def wall_clock_gap(ref: dict, groups: list[Cohort]) -> list[Block]:
+def wall_clock_gap(ref: dict, cohorts: list[Cohort]) -> list[Block]:
     r, p = ref["roof"], ref["ctx"]
     cached_b, cached_f, full_f = ref["cached_bytes"], ref["cached_flops"], ref["full_flops"]
     t_cached, t_full = ref["cached_step_s"], ref["full_step_s"]
@@ -127,8 +127,8 @@ def wall_clock_gap(ref: dict, groups: list[Cohort]) -> list[Block]:
         "removing arithmetic from a step that was waiting on bytes saves little time.")]
     header = ["model", "batch", "ctx", "FLOP ratio", "roofline time ratio", "measured time ratio"]
     body, flop_ratios, measured_ratios = [], [], []
-    for g in groups:
-        recompute = sorted(reference_rows(g.ok)[SERIES].unique())[:1]
+    for g in cohorts:
+        recompute = sorted(recompute_rows(g.ok)[SERIES].unique())[:1]
         for cached_name in ordered_strategies(cached_rows(g.ok)) if recompute else []:
             for batch in sorted(g.ok["batch"].unique()):
                 for ctx, measured in measured_ratio(g.ok, int(batch), cached_name):
@@ -147,7 +147,7 @@ def wall_clock_gap(ref: dict, groups: list[Cohort]) -> list[Block]:
         f"FLOPs against {np.median(measured_ratios):,.3g}x time).")]
 
 
-def prefill_decode(ref: dict, groups: list[Cohort]) -> list[Block]:
+def prefill_decode(ref: dict, cohorts: list[Cohort]) -> list[Block]:
     p, pre, dec = ref["ctx"], ref["prefill_bytes_per_token"], ref["decode_bytes_per_token"]
     out = [Heading("Prefill against decode: bytes per token", 3), Paragraph(
         f"Prefill pushes the p prompt tokens through one read of the weights; decode reads the weights and "
@@ -156,8 +156,8 @@ def prefill_decode(ref: dict, groups: list[Cohort]) -> list[Block]:
         f"**{dec / pre:,.0f}x** (about p; the same FLOPs per token). Predicted time per token: prefill "
         f"{fmt.seconds(ref['prefill_s'] / p)}, decode {fmt.seconds(ref['cached_step_s'])}.")]
     measured, time_ratios = [], []
-    for g in groups:
-        rows = cached_rows(g.ok).dropna(subset=["prefill_s", "decode_step_s"])
+    for g in cohorts:
+        rows = positive(cached_rows(g.ok), "prefill_s", "decode_step_s")  # a prefill timed at 0 has no time per token
         byte_ratios = {}  # (batch, ctx): the analytic ratio is the point's, whichever row of it, so looked up once
         for _, r in rows[["strategy", "batch", "ctx", "prefill_s", "decode_step_s"]].sort_values(["batch", "ctx"]).iterrows():
             pre_t = r["prefill_s"] / (r["batch"] * r["ctx"])
@@ -179,14 +179,14 @@ def prefill_decode(ref: dict, groups: list[Cohort]) -> list[Block]:
         "memory bound, and where batching shares decode's weight reads among sequences.")]
 
 
-def weights_crossover(ref: dict, groups: list[Cohort]) -> list[Block]:
+def weights_crossover(ref: dict, cohorts: list[Cohort]) -> list[Block]:
     n = ref["tokens_to_match_weights"]
     out = [Heading("How many cached tokens weigh as much as the weights", 3), Paragraph(
         f"{_ref_line(ref)}: weights {fmt.nbytes(ref['weight_bytes'])} ÷ "
         f"{ref['kv_bytes_per_token']:,} B per token = **{n:,.0f} tokens**, in any split of "
         f"batch × tokens: e.g. batch 1 × {n:,.0f}, or batch 32 × {n / 32:,.0f}, or batch 128 × {n / 128:,.0f}.")]
     measured = []
-    for g in groups:
+    for g in cohorts:
         crossover = g.figures["tokens_to_match_weights"]
         cached = cached_rows(g.ok).dropna(subset=["kv_cache_bytes"])
         largest = cached.loc[cached["kv_cache_bytes"].idxmax()] if not cached.empty else None
@@ -199,7 +199,7 @@ def weights_crossover(ref: dict, groups: list[Cohort]) -> list[Block]:
     return out + [Paragraph("**Measured:**"), Bullets(measured or ["no rows here"])]
 
 
-def equal_batch_tokens(ref: dict, groups: list[Cohort], sets_by_group: dict) -> list[Block]:
+def equal_batch_tokens(ref: dict, cohorts: list[Cohort], sets_by_cohort: dict) -> list[Block]:
     p, few, many, t_few, t_many = (ref[k] for k in ("long_ctx", "few_bytes", "many_bytes", "few_step_s", "many_step_s"))
     out = [Heading("Equal batch × tokens: many short sequences against few long ones", 3), Paragraph(
         f"{_ref_line(ref)}: batch 1 × {p:,} tokens and batch 32 × {p // 32:,} tokens hold the same cache to "
@@ -211,8 +211,8 @@ def equal_batch_tokens(ref: dict, groups: list[Cohort], sets_by_group: dict) -> 
         f"**{32 * t_few / t_many:.1f}x the throughput** for the same memory. Memory sets how many tokens can "
         "be held; how they are split sets how many come out per step.")]
     measured = []
-    for g in groups:
-        for product, rows in sets_by_group.get(g.slug, []):
+    for g in cohorts:
+        for product, rows in sets_by_cohort.get(g.slug, []):
             parts = [f"batch {int(r.batch)} × ctx {int(r.ctx)}: {fmt.number(r.tokens_per_s)} tokens/s, "
                      f"step {fmt.seconds(r.decode_step_s)}" for r in rows.itertuples()]
             measured.append(f"{g.model} {g.dtype}, batch × ctx = {product:,}: " + "; ".join(parts))
@@ -220,7 +220,7 @@ def equal_batch_tokens(ref: dict, groups: list[Cohort], sets_by_group: dict) -> 
                   Bullets(measured or ["no two rows of one cached strategy share batch × ctx here"])]
 
 
-def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict, analytic) -> list[Block]:
+def answers(table: pd.DataFrame, cohorts: list[Cohort], sets_by_cohort: dict, analytic) -> list[Block]:
     """Every answer, each built on its own (harness.report.guard): one that fails costs only itself.
     `analytic`: the loader's harness.analysis.curves.AnalyticTables."""
     ref = analytic.workload
@@ -230,12 +230,12 @@ def answers(table: pd.DataFrame, groups: list[Cohort], sets_by_group: dict, anal
                   f"and {ref['steps']} decode steps unless stated; measured figures come from the rows above.")]
     for heading, answer in (
             ("Why keys and values can be cached and queries cannot", lambda: cacheable(ref, table)),
-            ("Cache bytes per token, for any shape and dtype", lambda: bytes_per_token(ref, groups, analytic.published)),
-            ("How work grows with length: no cache against cache", lambda: growth(ref, groups)),
-            ("Why the wall-clock speedup is far below the FLOP saving", lambda: wall_clock_gap(ref, groups)),
-            ("Prefill against decode: bytes per token", lambda: prefill_decode(ref, groups)),
-            ("How many cached tokens weigh as much as the weights", lambda: weights_crossover(ref, groups)),
+            ("Cache bytes per token, for any shape and dtype", lambda: bytes_per_token(ref, cohorts, analytic.published)),
+            ("How work grows with length: no cache against cache", lambda: growth(ref, cohorts)),
+            ("Why the wall-clock speedup is far below the FLOP saving", lambda: wall_clock_gap(ref, cohorts)),
+            ("Prefill against decode: bytes per token", lambda: prefill_decode(ref, cohorts)),
+            ("How many cached tokens weigh as much as the weights", lambda: weights_crossover(ref, cohorts)),
             ("Equal batch × tokens: many short sequences against few long ones",
-             lambda: equal_batch_tokens(ref, groups, sets_by_group))):
+             lambda: equal_batch_tokens(ref, cohorts, sets_by_cohort))):
         out += guard.section(heading, answer, level=3)
     return out

@@ -17,7 +17,7 @@ import pandas as pd
 from harness.analysis.results import SERIES
 from harness.report import units as fmt
 from harness.report.document import Table
-from harness.report.cohorts import Cohort, cached_rows, reference_rows
+from harness.report.cohorts import Cohort, cached_rows, recompute_rows
 from harness.report.verdicts import Verdict, compare, pooled_step, step_text, verdict
 
 HEADER = ["model", "device", "dtype", "linears", "batch", "ctx", "verdict", "fastest step", "tokens/s", "bound", "of its roof",
@@ -38,23 +38,23 @@ def memory_split(row) -> tuple[float, float, float, float] | None:
     return peak, weights, cache, max(peak - weights - cache, 0.0)
 
 
-def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[list[str]]:
-    """One line per (batch, ctx) of the group; each point's Verdict is appended to `verdicts` when given."""
+def summary_rows(cohort: Cohort, verdicts: list[Verdict] | None = None) -> list[list[str]]:
+    """One line per (batch, ctx) of the cohort; each point's Verdict is appended to `verdicts` when given."""
     body = []
-    ok = group.timed.dropna(subset=["decode_step_s"])
-    plain = group.plain_cache()
+    ok = cohort.timed.dropna(subset=["decode_step_s"])
+    plain = cohort.plain_cache()
     for (batch, ctx), rows in ok.groupby(["batch", "ctx"], sort=True):
         caches = cached_rows(rows)  # the recompute reference has its own column: what the cache saves
         judged = verdict(caches if not caches.empty else rows)
         if verdicts is not None:
             verdicts.append(judged)
         fastest = rows[rows[SERIES] == judged.fastest].iloc[0]
-        cached, reference = _one(rows, plain), reference_rows(rows)
+        cached, recompute = _one(rows, plain), recompute_rows(rows)
         time_saved = flops_saved = "–"
-        if cached is not None and not reference.empty:
-            time_saved = compare(reference, rows[rows[SERIES] == plain]).text()
-            flops_saved = fmt.ratio(group.at(reference[SERIES].iloc[0], batch, ctx, "flops_per_step_model")
-                                    / group.at(plain, batch, ctx, "flops_per_step_model"))
+        if cached is not None and not recompute.empty:
+            time_saved = compare(recompute, rows[rows[SERIES] == plain]).text()
+            flops_saved = fmt.ratio(cohort.at(recompute[SERIES].iloc[0], batch, ctx, "flops_per_step_model")
+                                    / cohort.at(plain, batch, ctx, "flops_per_step_model"))
         split = memory_split(cached if cached is not None else fastest)
         memory = [fmt.nbytes(v) for v in split] if split else ["–"] * 4
         fraction, in_rounds = fastest.get("roofline_fraction"), fastest.get("roofline_fraction_in_rounds")
@@ -63,10 +63,10 @@ def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[l
             of_roof = "– (noisy)"
         elif not fmt.missing(fraction) and not fmt.missing(in_rounds) and abs(in_rounds / fraction - 1) > 0.25:
             of_roof += f" of the calibrated roof ({in_rounds:.0%} of the read in its own rounds)"  # which was judged
-        linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the group's kernel
+        linears = fastest.get("matmul") if isinstance(fastest.get("matmul"), str) else "–"  # the cohort's kernel
         step = pooled_step(rows[rows[SERIES] == judged.fastest])
         noisy = " (noisy)" if bool(rows.loc[rows[SERIES] == judged.fastest, "noisy"].any()) else ""
-        body.append([group.model, group.device, group.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
+        body.append([cohort.model, cohort.device, cohort.dtype, linears, fmt.count(batch), fmt.count(ctx), judged.text,
                      step_text(step) + noisy,
                      fmt.number(int(batch) / step.median),
                      str(fastest.get("roof_bound") or "–"), of_roof,
@@ -74,7 +74,7 @@ def summary_rows(group: Cohort, verdicts: list[Verdict] | None = None) -> list[l
     return body
 
 
-def summary_table(groups: list[Cohort], verdicts: list[Verdict] | None = None) -> Table:
+def summary_table(cohorts: list[Cohort], verdicts: list[Verdict] | None = None) -> Table:
     """The first screen's table; each point's Verdict is appended to `verdicts` when given."""
-    body = [line for group in groups for line in summary_rows(group, verdicts)]
+    body = [line for cohort in cohorts for line in summary_rows(cohort, verdicts)]
     return Table(HEADER, body, [False, False, False, False, True, True, False] + [True] * 10)

@@ -86,7 +86,7 @@ def accuracy_of(row) -> Accuracy:
 
 @dataclass(frozen=True)
 class VariantPoint:
-    """One cache variant at one point of a group, beside the group's exact reference cache."""
+    """One cache variant at one point of a cohort, beside the exact reference cache of its group."""
 
     series: str  # the variant as every table and plot names it
     family: str  # its strategy class (strategy_family; the strategy name in older rows)
@@ -94,8 +94,10 @@ class VariantPoint:
     ctx: int
     accuracy_ctx: int  # the context its scored tokens follow (the point's ctx where not recorded)
     accuracy_steps: int  # decode steps the scored tokens span (the point's decode_tokens where not recorded)
-    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the analytic tables: harness.analysis.curves)
+    bytes_per_token: float  # cache bytes per token held at ctx + decode_tokens (the row's kv_bytes_per_token_held)
     bytes_ratio: float  # ÷ the reference's bytes per token
+    scored_bytes_per_token: float  # held at the end of its accuracy windows (accuracy_kv_bytes_per_token_held);
+    # an exact variant's bytes per token, which no length changes: it stores every token at full width
     step: Optional[Comparison]  # this step ÷ the reference's (marked noisy where it draws on a noisy row); None for the reference
     noisy: bool  # the row's absolute times are not to be trusted (its paired ratio and its accuracy still are)
     predicted: float  # the roofline's step ratio, this layout ÷ the reference's
@@ -103,10 +105,10 @@ class VariantPoint:
     is_reference: bool  # the exact cache the ratios are taken against
 
 
-def ran_rows(group: Cohort) -> pd.DataFrame:
+def ran_rows(cohort: Cohort) -> pd.DataFrame:
     """Rows that ran with a usable step time, noisy ones included: a noisy row's accuracy does not depend
     on the machine's load."""
-    rows = group.rows[group.rows["status"] == "ok"]
+    rows = cohort.rows[cohort.rows["status"] == "ok"]
     return rows[usable_step(rows)]
 
 
@@ -156,11 +158,11 @@ def point_ratio(at_point: pd.DataFrame, series: str, reference: str) -> Optional
     return step_ratio(at_point, mine.iloc[0], reference) if len(mine) == 1 else compare(mine, theirs)
 
 
-def variant_points(group: Cohort) -> list[VariantPoint]:
-    """Every cached variant at every point of the group where a narrow or approximate cache ran (its
+def variant_points(cohort: Cohort) -> list[VariantPoint]:
+    """Every cached variant at every point of the cohort where a narrow or approximate cache ran (its
     newest row, the step ratio pooled over its repeats); none where no such cache ran or no exact cache
     stands as the reference."""
-    ran = ran_rows(group)
+    ran = ran_rows(cohort)
     reference = reference_series(ran)
     narrow = narrow_or_approximate(ran)
     if reference is None or narrow.empty:
@@ -172,10 +174,10 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
     for _, row in newest_per_point(cached, [SERIES, "batch", "ctx"]).iterrows():  # repeats: one line, pooled
         if (row["batch"], row["ctx"]) not in points:
             continue
-        tokens = int(row["ctx"] + row["decode_tokens"])
-        per_token, reference_per_token = (group.held_at(one, tokens) for one in (row[SERIES], reference))
+        per_token = _or_nan(value(row, "kv_bytes_per_token_held"))
+        reference_per_token = held_beside(cached, row, reference)
         steps = max(int(row["decode_tokens"]), 1)
-        seconds = [group.at(one, row["batch"], row["ctx"], "predicted_step_s") for one in (row[SERIES], reference)]
+        seconds = [cohort.at(one, row["batch"], row["ctx"], "predicted_step_s") for one in (row[SERIES], reference)]
         mine_is_reference = row[SERIES] == reference
         accuracy_ctx, accuracy_steps = value(row, "accuracy_ctx"), value(row, "accuracy_steps")
         found.append(VariantPoint(
@@ -184,11 +186,29 @@ def variant_points(group: Cohort) -> list[VariantPoint]:
             accuracy_ctx=int(row["ctx"]) if accuracy_ctx is None else int(accuracy_ctx),
             accuracy_steps=steps if accuracy_steps is None else int(accuracy_steps),
             bytes_per_token=per_token, bytes_ratio=per_token / reference_per_token,
+            scored_bytes_per_token=per_token if flag(row, "exact") else _or_nan(value(row, "accuracy_kv_bytes_per_token_held")),
             step=None if mine_is_reference else point_ratio(at_points[row["batch"], row["ctx"]], row[SERIES], reference),
             noisy=flag(row, "noisy"), predicted=seconds[0] / seconds[1],
             accuracy=accuracy_of(row), is_reference=mine_is_reference))
     # point by point, the reference first, then from the fewest bytes: each point's trade-off reads down
     return sorted(found, key=lambda p: (p.batch, p.ctx, not p.is_reference, p.bytes_per_token, p.series))
+
+
+def _or_nan(found: Optional[float]) -> float:
+    return float("nan") if found is None else found
+
+
+def held_beside(cached: pd.DataFrame, row, series: str) -> float:
+    """Bytes per token `series` holds at `row`'s length (ctx + decode_tokens): its row at the same point, or
+    else at the same length (what a sequence holds does not depend on the batch); NaN where it has neither."""
+    mine = cached[cached[SERIES] == series]
+    same = mine[(mine["ctx"] + mine["decode_tokens"]) == row["ctx"] + row["decode_tokens"]]
+    at_point = same[same["batch"] == row["batch"]]
+    for found in (at_point, same):
+        held = found["kv_bytes_per_token_held"].dropna()
+        if len(held):
+            return float(held.iloc[0])
+    return float("nan")
 
 
 @dataclass(frozen=True)
@@ -201,10 +221,13 @@ class FrontPoint:
     accuracy: Accuracy  # the measurement that scored the most tokens there (exact: none needed)
 
 
-def front_points(group: Cohort, points: list[VariantPoint]) -> list[FrontPoint]:
+def front_points(points: list[VariantPoint]) -> list[FrontPoint]:
     """Per context an accuracy was measured after, each approximate variant's measurement that scored
     the most tokens (the largest batch on a tie: batches differ only in which sequences were scored), and
-    every exact variant, which is exact after any context."""
+    every exact variant, which is exact after any context. A point without a figure of bytes held (a
+    foreign row's infinity or negative, left null by the loader) has no place on the plane: its table line
+    says so, and the variant's other points stand for it."""
+    points = [p for p in points if math.isfinite(p.scored_bytes_per_token) and p.scored_bytes_per_token > 0]
     best: dict[tuple[int, str], VariantPoint] = {}
     for point in points:
         if point.accuracy.exact or point.accuracy.kl is None:
@@ -216,10 +239,8 @@ def front_points(group: Cohort, points: list[VariantPoint]) -> list[FrontPoint]:
     found = []
     for ctx in sorted({c for c, _ in best}):
         measured = [p for (c, _), p in sorted(best.items()) if c == ctx]
-        tokens = ctx + max(p.accuracy_steps for p in measured)  # every variant compared at one length
-        for p in measured + list(exact.values()):
-            held = group.held_at(p.series, tokens)
-            found.append(FrontPoint(p.series, ctx, held, p.accuracy))
+        for p in measured + list(exact.values()):  # each at the length its accuracy was scored at
+            found.append(FrontPoint(p.series, ctx, p.scored_bytes_per_token, p.accuracy))
     return found
 
 
@@ -239,11 +260,11 @@ def pareto_front(points: list[FrontPoint]) -> set[tuple[int, str]]:
     return front
 
 
-def missing_columns(group: Cohort, reference: str) -> list[str]:
-    """The trade-off's columns that no row of the group records where it should (rows written before
+def missing_columns(cohort: Cohort, reference: str) -> list[str]:
+    """The trade-off's columns that no row of the cohort records where it should (rows written before
     they existed, or without an accuracy pass): their cells read – and the section says so. Perplexity
     is left out where no row scored text (no prompt file: a condition of the run, said elsewhere)."""
-    cached = cached_rows(ran_rows(group))
+    cached = cached_rows(ran_rows(cohort))
     others = cached[cached[SERIES] != reference]
     approximate = others[~others["exact"].fillna(True).astype(bool)] if "exact" in others else others
 

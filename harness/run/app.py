@@ -93,7 +93,7 @@ def _search_max_batch(context: RunContext, planned) -> list:
         context.progress.total = context.progress.done + 1
 
     probed, largest = capacity_search.search(planned.config, planned,
-                                             lambda cfg, job: measure_planned(context, job), one_more)
+                                             lambda cfg, probe: measure_planned(context, probe), one_more)
     log.info(capacity_search.answer_line(planned.point, largest))
     return probed
 
@@ -131,7 +131,7 @@ def main() -> int:
     # full disk drops its lines instead of printing logging's own tracebacks; the console keeps them.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     logging.raiseExceptions = False
-    first = the_plan.jobs[0]
+    first = the_plan.planned[0]
     try:
         remove_stale_temporaries(results_dir)
         if first.config.search == "max_batch":

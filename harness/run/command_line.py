@@ -81,10 +81,11 @@ def check_hydra_keys(parsed) -> None:
                                f"{LAUNCHER_OPTIONS}*, one value each")
 
 
-def check_job_options(job: list[str]) -> None:
-    """A glob() sweep over a config group also matches its schema (model_schema), which Hydra would
-    then run as a preset with every field missing."""
-    for override in job:
+def check_point_options(overrides: list[str]) -> None:
+    """A point's overrides: not the runner's own `+group=`, and no schema picked as a preset (a glob() sweep
+    over a config group also matches its schema, model_schema, which Hydra would then run as a preset with
+    every field missing)."""
+    for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key == GROUP_KEY:
             raise ConfigError(GROUP_KEY, "is how the runner tells a job its group (harness.run.grouping), not a setting")

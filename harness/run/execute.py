@@ -181,7 +181,7 @@ def measure_groups(context: RunContext, groups: list[PlannedGroup]) -> None:
     """Groups measured in this process, one after another, then each set against the others: a group
     that ran in a slow window is measured again or its rows flagged (harness.run.windows). The same
     as a launcher's sweep (harness.run.launch), without Hydra jobs."""
-    context.progress.total = max(context.progress.total, sum(len(group.jobs) for group in groups))
+    context.progress.total = max(context.progress.total, sum(len(group.members) for group in groups))
     measured = [done for group in groups if (done := measure_planned_group(context, group)) is not None]
     windows.recheck(measured, lambda window: measure_again(context, window))
 
@@ -196,28 +196,28 @@ def measure_planned_group(context: RunContext, group: PlannedGroup) -> MeasuredG
     if it cannot fit, else measured with the group; every row written whole, a progress line each.
     Returns what was measured (None: nothing was)."""
     progress, pending = context.progress, []
-    for job in group.jobs:
-        finished = finished_row(job.config.results_dir, job.point.key)
-        reason = rerun_reason(finished, job.config) if finished is not None else "new"
+    for member in group.members:
+        finished = finished_row(member.config.results_dir, member.point.key)
+        reason = rerun_reason(finished, member.config) if finished is not None else "new"
         if reason is None:
             progress.done += 1
             progress.statuses["already measured"] += 1
-            log.info(progress.line(job.point.label(), _kept(finished)))
+            log.info(progress.line(member.point.label(), _kept(finished)))
             continue
         if finished is not None:
-            log.info(f"{job.point.label()}: measuring again: {reason}")
-        if job.does_not_fit is not None:
-            row = build_row(job.point, not_run("skipped", job.does_not_fit), None, context.parallelism)
-            _write(context, job, row, {}, None)
+            log.info(f"{member.point.label()}: measuring again: {reason}")
+        if member.does_not_fit is not None:
+            row = build_row(member.point, not_run("skipped", member.does_not_fit), None, context.parallelism)
+            _write(context, member, row, {}, None)
         else:
-            pending.append(job)
+            pending.append(member)
     if not pending:
         return None
     # The group's reference, finished, is timed again beside the members that are not (its row is kept).
-    to_write = {job.point.key for job in pending}
-    runnable = [job for job in group.jobs if job.does_not_fit is None]
-    reference = reference_index([job.point for job in runnable])
-    timed = [job for i, job in enumerate(runnable) if job.point.key in to_write or i == reference]
+    to_write = {member.point.key for member in pending}
+    runnable = [member for member in group.members if member.does_not_fit is None]
+    reference = reference_index([member.point for member in runnable])
+    timed = [member for i, member in enumerate(runnable) if member.point.key in to_write or i == reference]
     return measure_timed(context, group.group_id, timed, to_write)
 
 
@@ -229,52 +229,53 @@ def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set
     run = run_isolated if first.config.isolate else run_inline
     if first.point.serving is not None:  # a serving run: a group of one, in its own process, without roofs
         return _serve_timed(context, group_id, first, run, write)
-    roofs = roofs_for(context, first.config, first.point, run, c_linear=any(job.point.matmul == "c" for job in timed))
+    roofs = roofs_for(context, first.config, first.point, run, c_linear=any(member.point.matmul == "c" for member in timed))
     began = time.monotonic()
-    request = GroupRequest(group_id, tuple(job.point for job in timed), roofs.gemv_kernel if roofs else None)
+    request = GroupRequest(group_id, tuple(member.point for member in timed), roofs.gemv_kernel if roofs else None)
     outcomes = run(measure_group, request)
     if isinstance(outcomes, dict):  # the group's process failed or died: every member with it
         outcomes = [dict(outcomes) for _ in timed]
     seconds = time.monotonic() - began
     rows = []
-    for job, measured in zip(timed, outcomes):
-        if job.point.key in to_write and job.point.traffic == "ncu" and measured.get("status") == "ok":
-            measured.update(measured_traffic(job.point))
-        rows.append(build_row(job.point, measured, roofs, context.parallelism))
-        if write and job.point.key in to_write:
-            _write(context, job, rows[-1], measured, seconds / len(to_write))
+    for member, measured in zip(timed, outcomes):
+        if member.point.key in to_write and member.point.traffic == "ncu" and measured.get("status") == "ok":
+            measured.update(measured_traffic(member.point))
+        rows.append(build_row(member.point, measured, roofs, context.parallelism))
+        if write and member.point.key in to_write:
+            _write(context, member, rows[-1], measured, seconds / len(to_write))
     return MeasuredGroup(group_id, timed, to_write, rows, seconds)
 
 
-def _serve_timed(context: RunContext, group_id: str, job, run, write: bool) -> None:
+def _serve_timed(context: RunContext, group_id: str, member, run, write: bool) -> None:
     """A serving point served (harness.serve.point), or simulated (harness.serve.simulated_point), and
-    its row built; its per-request file and iteration log written first, then its row (the row is what makes the point finished, so a run killed between the two
-    serves it again). Nothing is handed back: a serving run has no decode steps for the slow-window
-    rule to set against other groups' (harness.run.windows)."""
+    its row built; its per-request file and iteration log written first, then its row (the row is what
+    makes the point finished, so a run killed between them serves it again). Nothing is handed back: a
+    serving run has no decode steps for the slow-window rule to set against other groups'
+    (harness.run.windows)."""
     began = time.monotonic()
-    if job.point.serving.serving.executor == MEASURED:
-        measured = run(serve_point, job.point)
+    if member.point.serving.serving.executor == MEASURED:
+        measured = run(serve_point, member.point)
     else:  # a simulation: nothing runs but the scheduler on a virtual clock, in this process
-        measured = simulate_point(job.point, job.config.results_dir)
+        measured = simulate_point(member.point, member.config.results_dir)
     seconds = time.monotonic() - began
-    row = build_row(job.point, measured, None, context.parallelism)
+    row = build_row(member.point, measured, None, context.parallelism)
     if write:
         if measured.get("requests"):
-            write_requests(job.config.results_dir, row, measured["requests"])
+            write_requests(member.config.results_dir, row, measured["requests"])
         if measured.get("iterations_log"):
-            write_iterations(job.config.results_dir, row, measured["iterations_log"])
-        _write(context, job, row, measured, seconds)
+            write_iterations(member.config.results_dir, row, measured["iterations_log"])
+        _write(context, member, row, measured, seconds)
 
 
-def _write(context: RunContext, job, row: dict, measured: dict, seconds: float | None) -> None:
+def _write(context: RunContext, member, row: dict, measured: dict, seconds: float | None) -> None:
     progress = context.progress
-    write_row(job.config.results_dir, row)
+    write_row(member.config.results_dir, row)
     progress.done += 1
     progress.written += 1
     if seconds is not None and row["status"] != "skipped":
         progress.measured_seconds.append(seconds)
     progress.statuses[row["status"]] += 1
-    log.info(progress.line(job.point.label(), _outcome(row)))
-    warn_if_beaten(context, job.config, job.point, row)
+    log.info(progress.line(member.point.label(), _outcome(row)))
+    warn_if_beaten(context, member.config, member.point, row)
     if "traceback" in measured:
         log.debug(measured["traceback"])

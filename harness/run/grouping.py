@@ -31,11 +31,11 @@ class PlannedGroup:
     """Points measured together: one process, one model per linear kernel, steps interleaved."""
 
     group_id: str  # names the group in its rows: the members' shared key and the repeat
-    jobs: list  # the members' harness.run.plan.PlannedPoint, in the sweep's order
+    members: list  # the members' harness.run.plan.PlannedPoint, in the sweep's order
 
     @property
     def points(self) -> tuple:
-        return tuple(job.point for job in self.jobs)
+        return tuple(member.point for member in self.members)
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ class GroupSpec:
     @classmethod
     def of(cls, group: PlannedGroup, first: int = 0, again: tuple | None = None,
            timed: list | None = None) -> "GroupSpec":
-        jobs = group.jobs if timed is None else timed
-        point = jobs[0].point
-        members = tuple((job.point.key, tuple(job.overrides)) for job in jobs)
+        timed = group.members if timed is None else timed
+        point = timed[0].point
+        members = tuple((member.point.key, tuple(member.overrides)) for member in timed)
         return cls(group.group_id, members, point.interleave, point.repeat, first, again)
 
     def encode(self) -> str:
@@ -75,31 +75,31 @@ class GroupSpec:
         return f"+{GROUP_KEY}={self.encode()}"
 
 
-def as_member(job, mode: str, repeat: int):
+def as_member(planned, mode: str, repeat: int):
     """A planned point as a member of a group: interleave and repeat set (both are in its key)."""
-    return dataclasses.replace(job, point=dataclasses.replace(job.point, interleave=mode, repeat=repeat))
+    return dataclasses.replace(planned, point=dataclasses.replace(planned.point, interleave=mode, repeat=repeat))
 
 
-def form_groups(jobs: list, interleave: str, repeats: int, seed: int) -> list[PlannedGroup]:
+def form_groups(planned: list, interleave: str, repeats: int, seed: int) -> list[PlannedGroup]:
     """The groups to measure, in measuring order. Members of a group of two or more carry
     interleave=shape in their point (and so in their key); every repeat after the first carries its
     index. A point that cannot fit (does_not_fit) stays alone: its row is a skipped one."""
     by_shape: dict[str, list] = {}
-    for job in jobs:
+    for one in planned:
         # a serving run is a process of its own: its iterations are not steps to interleave with others'
-        alone = interleave == "none" or job.does_not_fit is not None or job.point.serving is not None
-        by_shape.setdefault(job.point.key if alone else job.point.group_key(), []).append(job)
+        alone = interleave == "none" or one.does_not_fit is not None or one.point.serving is not None
+        by_shape.setdefault(one.point.key if alone else one.point.group_key(), []).append(one)
     groups = []
     for repeat in range(repeats):
         for members in by_shape.values():
             mode = "shape" if len(members) > 1 else "none"
-            copies = [as_member(job, mode, repeat) for job in members]
+            copies = [as_member(member, mode, repeat) for member in members]
             groups.append(PlannedGroup(group_id(copies), copies))
     if repeats > 1:
         random.Random(seed).shuffle(groups)
     return groups
 
 
-def group_id(jobs: list) -> str:
-    keys = ",".join(sorted(job.point.key for job in jobs))
+def group_id(members: list) -> str:
+    keys = ",".join(sorted(member.point.key for member in members))
     return hashlib.sha256(keys.encode()).hexdigest()[:12]

@@ -12,8 +12,9 @@ approximate one is judged against. Resolved once per point while the sweep is pl
 - Prompt: with `prompt=PATH` (or a built-in text, harness.config.texts) the text is read and cut into
   the point's windows now, the accuracy pass's too for an approximate strategy (harness.measure.
   prompts), so a text too short or ids outside the vocabulary are refused now.
-- Reference: the first strategy of the catalog that declares itself exact, caches K/V and stores
-  them in the plain contiguous layout, on a backend made of torch's own operators.
+- Reference: the first strategy of the catalog that could be a reference by the one rule
+  (harness.config.layout.could_be_reference: exact, the plain contiguous layout), on a backend made of
+  torch's own operators.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.analysis.analytic import dtype_bytes, kv_cache_bytes, weight_bytes
-from harness.config import CONTIGUOUS, AccuracyConfig, ConfigError, ModelConfig, StrategyChoice
+from harness.config import AccuracyConfig, ConfigError, ModelConfig, StrategyChoice, could_be_reference
 from harness.config.paths import LocationError, config_dir
 from harness.config.validate import first_line, validate_model
 from harness.measure.memory import available_bytes
@@ -146,7 +147,7 @@ def _reference_candidates() -> tuple[tuple[type, str], ...]:
     found = []
     for cls in strategy_catalog().values():
         backend = next((b for b in cls.backend_names() if b in TORCH_BACKENDS), None)
-        if cls.exact and cls.caches_kv and not cls.reference and backend is not None:
+        if cls.exact and cls.caches_kv and backend is not None:
             found.append((cls, backend))
     return tuple(found)
 
@@ -158,8 +159,8 @@ def accuracy_reference(strategy: StrategyChoice, shape: ModelConfig, device: str
         return None
     for cls, backend in _reference_candidates():
         candidate = cls(backend=backend)
-        if candidate.cache_layout(shape) == CONTIGUOUS and candidate.unavailable(torch.device(device),
-                                                                                 getattr(torch, dtype)) is None:
+        if could_be_reference(cls.exact, candidate.cache_layout(shape)) and candidate.unavailable(
+                torch.device(device), getattr(torch, dtype)) is None:
             return f"{cls.__module__}.{cls.__qualname__}:{backend}"
     raise ConfigError("strategy", f"{strategy.name} is approximate, and no exact strategy with the contiguous "
                                   f"layout and a torch backend ({', '.join(TORCH_BACKENDS)}) runs on {device}/{dtype} "

@@ -6,19 +6,18 @@ heap and a fresh resident-set peak. A group whose process dies (the kernel's OOM
 in a kernel) comes back as a failed outcome; the sweep goes on. A point interrupted by Ctrl-C (SIGINT
 to the process group reaches the point's process too) is not a failure: it sends nothing, and the
 runner raises PointInterrupted, which ends the sweep like a Ctrl-C of its own (harness.run.app). A
-runner killed alone takes its group's process with it (_end_with_the_runner).
+runner killed alone takes its group's process with it (harness.files.workers.end_with).
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
-import select
 import signal
-import threading
-import time
 import traceback
 from multiprocessing import forkserver
 from typing import Callable
+
+from harness.files.workers import end_with
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 # harness.run.app: a child re-imports the main module (harness.run), cheap only if what it imports is here.
@@ -57,40 +56,12 @@ def stop_fork_server() -> None:
             pass
 
 
-def _end_with_the_runner(runner: int) -> None:
-    """A thread that ends this process (SIGTERM) once the runner that asked for it has exited, however it
-    went: a SIGKILL or SIGINT sent to the runner alone (not to its process group) would otherwise leave
-    the group measuring on, holding the CPUs other runs time on, with nobody to hand its rows to. The
-    fork server is no help: every child holds its liveness pipe, so it outlives the runner too."""
-    try:
-        handle = os.pidfd_open(runner)  # readable once the runner has exited (Linux 5.3)
-    except (AttributeError, OSError):  # no pidfd here: look every second instead
-        handle = None
-
-    def watch():
-        if handle is not None:
-            select.select([handle], [], [])
-        else:
-            while _alive(runner):
-                time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="end-with-the-runner", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the number: ours is gone
-        return False
-    return True
-
-
 def _child(send, fn, arg, runner: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored since _start_fork_server
-    _end_with_the_runner(runner)
+    # A runner killed alone (SIGKILL, or SIGINT to it and not its group) would otherwise leave the group
+    # measuring on, holding the CPUs other runs time on, with nobody to hand its rows to; the fork server is no
+    # help: every child holds its liveness pipe, so it outlives the runner too.
+    end_with(runner)
     try:
         try:
             message = ("ok", fn(arg))

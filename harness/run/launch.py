@@ -53,13 +53,13 @@ def run_group_job(context: RunContext, cfg) -> MeasuredGroup | None:
     a second measurement, measured and handed back unwritten)."""
     spec = GroupSpec.decode(cfg.group)
     context.progress.done = max(context.progress.done, spec.first)
-    jobs = [context.planned.get(key) for key, _ in spec.members]
-    if None in jobs:  # a job of another process: its members planned again here
-        jobs = plan_group(spec, cuda_available)
+    members = [context.planned.get(key) for key, _ in spec.members]
+    if None in members:  # a job of another process: its members planned again here
+        members = plan_group(spec, cuda_available)
     try:
         if spec.again is not None:
-            return measure_timed(context, spec.group_id, jobs, set(spec.again), write=False)
-        return measure_planned_group(context, PlannedGroup(spec.group_id, jobs))
+            return measure_timed(context, spec.group_id, members, set(spec.again), write=False)
+        return measure_planned_group(context, PlannedGroup(spec.group_id, members))
     except OSError as error:  # the results folder (a row, a calibration record) cannot be written
         raise SweepStopped(error) from error
 
@@ -80,7 +80,7 @@ class GroupLauncher:
         GlobalHydra.instance().clear()
         self.hydra = Hydra.create_main_hydra2(task_name=TASK_NAME,
                                               config_search_path=create_config_search_path(CONFIG_DIR))
-        first = self.the_plan.jobs[0].overrides
+        first = self.the_plan.planned[0].overrides
         if not self.the_plan.multirun:
             return self
         self.master = self.hydra.compose_config(CONFIG_NAME, list(first), run_mode=RunMode.MULTIRUN,
@@ -123,17 +123,17 @@ class GroupLauncher:
         return [o for o in first if not is_hydra_override(o)] + [spec.override()]
 
     def _hydra_overrides(self) -> list[str]:
-        return [o for o in self.the_plan.jobs[0].overrides if is_hydra_override(o)]
+        return [o for o in self.the_plan.planned[0].overrides if is_hydra_override(o)]
 
 
 def run_sweep(the_plan, context: RunContext) -> None:
     """Every group of the plan as one job each; then the groups judged against each other, a slow one
     measured again as a further job (harness.run.windows)."""
-    context.planned = {job.point.key: job for group in the_plan.groups for job in group.jobs}
+    context.planned = {member.point.key: member for group in the_plan.groups for member in group.members}
     specs, first = [], 0
     for group in the_plan.groups:
         specs.append(GroupSpec.of(group, first))
-        first += len(group.jobs)
+        first += len(group.members)
     with GroupLauncher(the_plan, context) as launcher:
         measured = [done for done in launcher.run(specs) if done is not None]
 

@@ -1,13 +1,13 @@
 """Before Hydra runs anything: expand the command line into its points and check every one.
 
-Hydra composes each job of a multirun only when that job starts, so a bad value in the fifth point of
-a sweep would otherwise surface after four points were written. Here the whole sweep is expanded the
-way Hydra's basic sweeper expands it (`sweep_jobs`: the product of each sweep override's values, through
-Hydra's public override parser with the config loader that glob() sweeps need), each job is composed with Hydra's compose API, validated (harness.config.validate: the
+Hydra composes a multirun's config only when a job starts, so a bad value in the fifth point of a
+sweep would otherwise surface after four points were written. Here the whole sweep is expanded the way
+Hydra's basic sweeper expands it (`sweep_points`: the product of each sweep override's values, through
+Hydra's public override parser with the config loader that glob() sweeps need), each point is composed with Hydra's compose API, validated (harness.config.validate: the
 same checks the analytic CLI and the report use) and resolved into its Point (harness.run.resolve),
 and the first problem ends the run with one line and exit code 2, before a file is written. Each
-point is composed and resolved here once; Hydra's job then finds its Point by its overrides
-(harness.run.app). CPU points are also checked against free memory here, once. The expansion gives
+point is composed and resolved here once; the Hydra job that measures its group then finds its Point by
+its overrides (harness.run.launch). CPU points are also checked against free memory here, once. The expansion gives
 the sweep's length for the progress line.
 
 Where output goes is decided in one place: `results_dir`. Rows go there, Hydra's logs under its
@@ -15,7 +15,7 @@ Where output goes is decided in one place: `results_dir`. Rows go there, Hydra's
 two sweeps started in the same second never share one). Nothing else may move them: an override of a
 Hydra key other than the few in harness.run.command_line.HYDRA_KEYS_ALLOWED (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir,
 hydra.output_subdir, hydra.job_logging, ...), a preset that changes those settings, a flag that picks
-another config, or a results_dir that differs between the jobs of one sweep is refused. A launcher
+another config, or a results_dir that differs between the points of one sweep is refused. A launcher
 may be chosen (hydra/launcher=<option>, and its hydra.launcher.* options other than where it writes);
 its jobs may run in another working directory, so results_dir must then be absolute.
 """
@@ -42,7 +42,7 @@ from harness.config.validate import INT64_MAX, NAME_CHARACTERS, ConfigError, out
 from harness.measure.memory import shortfall
 from harness.measure.decoding import not_run
 from harness.run.command_line import (CONFIG_NAME, MULTIRUN_FLAGS, PASS_THROUGH_FLAGS, RUN_FLAGS, VALUE_FLAGS,  # noqa: F401
-                                      check_flags, check_hydra_keys, check_job_options, check_output_settings,
+                                      check_flags, check_hydra_keys, check_output_settings, check_point_options,
                                       compose_config, composition_error, hydra_order, parse_overrides)
 from harness.run.grouping import GROUP_KEY, GroupSpec, as_member, form_groups
 from harness.run.resolve import point_from_config
@@ -79,9 +79,9 @@ OmegaConf.register_new_resolver(GPUS_RESOLVER, gpus_for, replace=True)
 
 @dataclass
 class PlannedPoint:
-    """One job of the command line, composed, validated and resolved."""
+    """One point of the command line, composed, validated and resolved."""
 
-    overrides: tuple[str, ...]  # the job's overrides, as Hydra will hand them to the job
+    overrides: tuple[str, ...]  # the point's overrides (a group's job is launched with its first member's)
     config: object  # the composed DictConfig
     point: Point  # the resolved point
     does_not_fit: str | None  # a CPU point that cannot fit in free memory: why (a skipped row in a sweep)
@@ -92,9 +92,9 @@ class Plan:
     """What a command line will run."""
 
     multirun: bool  # one process runs several points
-    jobs: list[PlannedPoint]  # every point, in Hydra's order
+    planned: list[PlannedPoint]  # every point, in Hydra's order
     groups: list = field(default_factory=list)  # harness.run.grouping.PlannedGroup, in measuring order
-    in_process: bool = True  # the jobs run in this process (no launcher, or Hydra's basic one)
+    in_process: bool = True  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
 
     @property
     def points(self) -> list[Point]:
@@ -104,7 +104,7 @@ class Plan:
     @property
     def results_dir(self) -> str:
         """The one folder every row and log of this command line goes to."""
-        return str(self.jobs[0].config.results_dir)
+        return str(self.planned[0].config.results_dir)
 
 
 def needs_preflight(argv: list[str]) -> bool:
@@ -133,10 +133,10 @@ def plan(argv: list[str], cuda_available) -> Plan:
     check_flags(argv)
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         command = _command_line(argv)
-        jobs = [_plan_job(job, command, cuda_available) for job in command.job_overrides]
-    _check_distinct(jobs)
-    first = jobs[0]
-    if first.config.search != "none" and len(jobs) > 1:
+        planned = [_plan_point(overrides, command, cuda_available) for overrides in command.point_overrides]
+    _check_distinct(planned)
+    first = planned[0]
+    if first.config.search != "none" and len(planned) > 1:
         raise ConfigError("search", f"{first.config.search} searches the batch of one point: give one strategy, "
                                     "model and ctx (no lists), or search=none for a sweep")
     if not command.multirun and first.does_not_fit is not None:
@@ -145,8 +145,8 @@ def plan(argv: list[str], cuda_available) -> Plan:
             first.point.strategy.strategy_options[key.removeprefix("strategy.")] else "model"  # an option past the sequence
         raise ConfigError(key, f"{first.point.label()} {first.does_not_fit}; choose a smaller "
                                f"{key if key != 'model' else 'model, batch or ctx'}")
-    groups = form_groups(jobs, str(first.config.interleave), int(first.config.repeats), first.point.seed)
-    return Plan(multirun=command.multirun, jobs=jobs, groups=groups, in_process=command.in_process)
+    groups = form_groups(planned, str(first.config.interleave), int(first.config.repeats), first.point.seed)
+    return Plan(multirun=command.multirun, planned=planned, groups=groups, in_process=command.in_process)
 
 
 def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
@@ -158,11 +158,11 @@ def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
     try:
         members = []
         for key, overrides in spec.members:
-            job = as_member(plan(["-m", *overrides], cuda_available).jobs[0], spec.mode, spec.repeat)
-            if job.point.key != key:
-                raise ConfigError(GROUP_KEY, f"{job.point.label()} plans as key {job.point.key} here, not the sweep's "
-                                             f"{key}: the job runs other code or config than the sweep")
-            members.append(job)
+            member = as_member(plan(["-m", *overrides], cuda_available).planned[0], spec.mode, spec.repeat)
+            if member.point.key != key:
+                raise ConfigError(GROUP_KEY, f"{member.point.label()} plans as key {member.point.key} here, not the "
+                                             f"sweep's {key}: the job runs other code or config than the sweep")
+            members.append(member)
         return members
     finally:
         restore_gh_from_backup(backup)
@@ -170,13 +170,13 @@ def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
 
 @dataclass
 class _CommandLine:
-    """A command line composed once: what every job of it shares."""
+    """A command line composed once: what every point of it shares."""
 
     base: object  # the config composed from the plain overrides (with Hydra's node while multirun)
-    multirun: bool  # several jobs, each composed on its own
-    job_overrides: list  # each job's overrides, in Hydra's order
-    elsewhere: bool  # a launcher runs the jobs on other hosts
-    in_process: bool  # the jobs run in this process (no launcher, or Hydra's basic one)
+    multirun: bool  # several points, each composed on its own
+    point_overrides: list  # each point's overrides, in Hydra's order
+    elsewhere: bool  # a launcher runs the groups' jobs on other hosts
+    in_process: bool  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
     as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
 
 
@@ -206,15 +206,15 @@ def _command_line(argv: list[str]) -> _CommandLine:
     params = OmegaConf.to_container(sweep_params, resolve=False) if sweep_params else {}
     expanded = parse_overrides(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
     check_hydra_keys(expanded)
-    job_overrides = sweep_jobs(expanded)
+    point_overrides = sweep_points(expanded)
     in_process = not multirun or launcher_target in (None, BASIC_LAUNCHER)
-    return _CommandLine(base, multirun, job_overrides, elsewhere, in_process)
+    return _CommandLine(base, multirun, point_overrides, elsewhere, in_process)
 
 
 def _compose_base(parsed) -> object:
-    """What every job shares, composed from the overrides that are not sweeps; where that fails (a sweep
+    """What every point shares, composed from the overrides that are not sweeps; where that fails (a sweep
     over `strategy` with a `strategy.*` option the default strategy lacks), with each sweep's first
-    value, as the first job will be composed."""
+    value, as the first point will be composed."""
     plain = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
         return compose_config(plain, with_hydra=True)
@@ -227,9 +227,9 @@ def _compose_base(parsed) -> object:
             raise error from None
 
 
-def sweep_jobs(overrides: list) -> list[list[str]]:
-    """Every job's overrides, as Hydra's basic sweeper makes them: a key set twice keeps its first place
-    and its last value, and the jobs are the product of the keys' values, the first key varying slowest."""
+def sweep_points(overrides: list) -> list[list[str]]:
+    """Every point's overrides, as Hydra's basic sweeper makes its jobs' ones: a key set twice keeps its first
+    place and its last value, and the points are the product of the keys' values, the first key varying slowest."""
     values_by_key: dict[str, list[str]] = {}
     for override in overrides:
         key = override.get_key_element()
@@ -240,15 +240,15 @@ def sweep_jobs(overrides: list) -> list[list[str]]:
         else:  # interval(): a continuous range, which only a sampling sweeper (Optuna, Nevergrad) can draw from
             raise ConfigError(key, "interval() is a continuous range this sweep cannot enumerate; list the values "
                                    "(a,b,c) or give range(start,stop,step)")
-    return [list(job) for job in itertools.product(*values_by_key.values())]
+    return [list(point) for point in itertools.product(*values_by_key.values())]
 
 
-def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
-    """One job composed (once per job in a sweep), validated and resolved into its point."""
-    check_job_options(job)
-    cfg = command.base if not command.multirun else compose_config(job, with_hydra=True)
-    variant = variant_of(cfg, job, lambda overrides: compose_config(overrides, with_hydra=False), command.as_chosen)
-    with open_dict(cfg):  # a job's config is the one Hydra hands the job: without Hydra's node
+def _plan_point(overrides: list[str], command: _CommandLine, cuda_available) -> PlannedPoint:
+    """One point composed (once per point in a sweep), validated and resolved."""
+    check_point_options(overrides)
+    cfg = command.base if not command.multirun else compose_config(overrides, with_hydra=True)
+    variant = variant_of(cfg, overrides, lambda listed: compose_config(listed, with_hydra=False), command.as_chosen)
+    with open_dict(cfg):  # a point's config is the one Hydra hands its group's job: without Hydra's node
         del cfg["hydra"]
     if str(cfg.results_dir) != str(command.base.results_dir):
         raise ConfigError("results_dir", "one folder per command line (Hydra's logs of a sweep go to one "
@@ -265,22 +265,22 @@ def _plan_job(job: list[str], command: _CommandLine, cuda_available) -> PlannedP
     check_point(point)
     if workload is not None:  # its requests against the model's context and the budget (harness.serve.checks)
         check_serving_fits(cfg, point, workload)
-        return PlannedPoint(tuple(job), cfg, point, None)
+        return PlannedPoint(tuple(overrides), cfg, point, None)
     does_not_fit = shortfall(point) if point.device == "cpu" and not command.elsewhere else None
-    return PlannedPoint(tuple(job), cfg, point, does_not_fit)
+    return PlannedPoint(tuple(overrides), cfg, point, does_not_fit)
 
 
-def _check_distinct(jobs: list[PlannedPoint]) -> None:
-    """Two jobs of one point (`strategy=quantized,int8`: the same class and options under two names)
+def _check_distinct(planned: list[PlannedPoint]) -> None:
+    """Two points that are one (`strategy=quantized,int8`: the same class and options under two names)
     would measure it twice and write one row: refused."""
     seen: dict[str, PlannedPoint] = {}
-    for job in jobs:
-        first = seen.setdefault(job.point.key, job)
-        if first is not job:
-            names = (first.point.strategy.variant, job.point.strategy.variant)
+    for one in planned:
+        first = seen.setdefault(one.point.key, one)
+        if first is not one:
+            names = (first.point.strategy.variant, one.point.strategy.variant)
             raise ConfigError("strategy" if names[0] != names[1] else "command line",
-                              f"{first.point.label()} and {job.point.label()} are the same point (the same class, "
-                              f"options and sizes: key {job.point.key}); list it once")
+                              f"{first.point.label()} and {one.point.label()} are the same point (the same class, "
+                              f"options and sizes: key {one.point.key}); list it once")
 
 
 def check_point(point: Point) -> None:

@@ -53,10 +53,14 @@ def _predict(point: Point, roof: Roof | None) -> dict:
     return predict(point.model, point.dtype, point.batch, point.ctx, point.decode_tokens, point.strategy.layout, roof)
 
 
-def model_columns(point: Point) -> dict:
-    """The analytic model at the point, roofs aside (harness.analysis.predictions), and the memory model."""
-    return {**{k: v for k, v in _predict(point, None).items() if k in ROOF_FREE},
-            "peak_memory_predicted_bytes": predicted_peak_bytes(point)}
+def model_columns(point: Point, outcome: dict) -> dict:
+    """The analytic model at the point, roofs aside (harness.analysis.predictions), at the length its
+    accuracy pass scored (`outcome`'s accuracy_ctx and accuracy_steps, where one ran), and the memory model."""
+    scored = (outcome["accuracy_ctx"] + outcome["accuracy_steps"]
+              if outcome.get("accuracy_ctx") is not None and outcome.get("accuracy_steps") is not None else None)
+    figures = predict(point.model, point.dtype, point.batch, point.ctx, point.decode_tokens, point.strategy.layout,
+                      scored_tokens=scored)
+    return {**{k: v for k, v in figures.items() if k in ROOF_FREE}, "peak_memory_predicted_bytes": predicted_peak_bytes(point)}
 
 
 def roof_columns(point: Point, row: dict, roofs) -> dict:
@@ -106,11 +110,11 @@ def build_row(point: Point, measured: dict, roofs=None, sweep_parallelism: int =
                **{k: v for k, v in measured.items() if k in COLUMNS_BY_SOURCE["measured"]}}
     if point.serving is not None:  # a serving run: no decode step to predict or set against a roof
         row = {**flatten(point), **outcome, **dict.fromkeys(COLUMNS_BY_SOURCE["model"]),
-               **dict.fromkeys(COLUMNS_BY_SOURCE["roofs"]), "weight_bytes": model_columns(point)["weight_bytes"]}
+               **dict.fromkeys(COLUMNS_BY_SOURCE["roofs"]), "weight_bytes": model_columns(point, outcome)["weight_bytes"]}
         reasons = noise_reasons(row["contention"], None, None, {}) if row["status"] == "ok" else None
         row.update(noisy=None if reasons is None else bool(reasons), noise_reason=None if reasons is None else "; ".join(reasons))
     else:
-        row = {**flatten(point), **outcome, **model_columns(point)}
+        row = {**flatten(point), **outcome, **model_columns(point, outcome)}
         row.update(roof_columns(point, row, roofs))
         row.update(noise_columns(row))
     row.update(run_metadata(sweep_parallelism), schema_version=SCHEMA_VERSION, timestamp=datetime.now(timezone.utc), point_key=point.key,

@@ -5,7 +5,7 @@ Interleaving makes a group's ratios hold whatever the machine does in the group'
 (harness.measure.group), but not its absolute figures: on a shared VM a group's whole window can run
 slow, every member's step near twice its usual time, while the read probe in its rounds falls by a
 sixth, contention stays under 1% and every ratio holds. Nothing inside the group tells. So once a
-job's groups are measured, each is set against the job's other groups:
+sweep's groups are measured, each is set against the sweep's other groups:
 
 - **steps**: each member's step against the same variant (strategy and options, linear kernel,
   compile mode) in every other group of the same shape but for ctx and repeat (model, dtype, device,
@@ -18,7 +18,7 @@ job's groups are measured, each is set against the job's other groups:
   context: 2.6x from ctx 1024 to 4096 where the bytes grow 1.8x), which must not make a clean group
   look slow. Above SLOW_LIMIT the group ran slow.
 - **the in-round read** (the same kernel over the same bytes in every group): below 1 / SLOW_LIMIT of
-  the median of the job's other groups on the same device, dtype and kernel, with the same members
+  the median of the sweep's other groups on the same device, dtype and kernel, with the same members
   (the probe runs between their steps, beside their thread pools).
 
 A slow group is measured again, the slowest first: the first always, more while the second
@@ -44,14 +44,14 @@ from harness.store.files import write_row
 log = logging.getLogger("harness")
 
 SLOW_LIMIT = 1.4  # a window this many times slower than the other groups predict is flagged
-REMEASURE_SHARE = 0.25  # second measurements beyond the first stay within this share of the job's time
+REMEASURE_SHARE = 0.25  # second measurements beyond the first stay within this share of the sweep's measuring time
 REMEASURING = "slow window: being measured again"  # in noise_reason until the second measurement ends
 NOT_SHAPE = (*FOLLOW_THE_STRATEGY, "ctx", "repeat")  # what comparable groups may differ in
 
 
 @dataclass
 class MeasuredGroup:
-    """A group this job measured: what was timed, the row built for each member, and how long it took."""
+    """A group as its job measured it: what was timed, the row built for each member, and how long it took."""
 
     group_id: str
     timed: list  # harness.run.plan.PlannedPoint of every member timed, in the group's order
@@ -61,7 +61,7 @@ class MeasuredGroup:
 
     def ok(self) -> list[tuple]:
         """(point, row) of every member that ran."""
-        return [(job.point, row) for job, row in zip(self.timed, self.rows) if row["status"] == "ok"]
+        return [(member.point, row) for member, row in zip(self.timed, self.rows) if row["status"] == "ok"]
 
 
 def _shape(point) -> str:
@@ -137,7 +137,7 @@ def slow_reason(window: MeasuredGroup, others: list[MeasuredGroup]) -> str | Non
 
 
 def recheck(measured: list[MeasuredGroup], measure_again) -> None:
-    """Judge every group of the job against the others; measure a slow one again (`measure_again`:
+    """Judge every group of the sweep against the others; measure a slow one again (`measure_again`:
     MeasuredGroup -> a second MeasuredGroup, nothing written) where the budget allows, keep the second
     measurement where it is in line, flag the rows that stay slow."""
     slow = {i: reason for i, window in enumerate(measured)
@@ -191,6 +191,6 @@ def _mark_remeasuring(window: MeasuredGroup) -> None:
 
 
 def _write(window: MeasuredGroup, rows: list | None = None) -> None:
-    for job, row in zip(window.timed, window.rows if rows is None else rows):
-        if job.point.key in window.to_write:
-            write_row(job.config.results_dir, row)
+    for member, row in zip(window.timed, window.rows if rows is None else rows):
+        if member.point.key in window.to_write:
+            write_row(member.config.results_dir, row)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 # The version of the column set below: raise it, and add a step to harness.store.upgrade, whenever a
 # column is added, renamed or changes meaning, so rows written before read as rows of today.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 T = pa.timestamp("us", tz="UTC")
@@ -263,6 +263,8 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("reference_agreement", F, "", "share of served tokens equal to the reference's greedy pick, teacher-forced along the served tokens", "measured"),
     # the analytic model at this point
     ("weight_bytes", I, "B", "bytes of all weights", "model"),
+    ("kv_bytes_per_token", I, "B", "the shape's cache bytes per token in the compute dtype, whatever this point's layout: one key and one value vector per layer and KV head (2 x n_layers x n_kv_heads x head_dim x bytes per element), what any exact cache stores per token", "model"),
+    ("tokens_to_match_weights", F, "tokens", "tokens (batch x tokens per sequence, any split) whose K/V at kv_bytes_per_token weigh as much as the weights: weight_bytes / kv_bytes_per_token", "model"),
     ("kv_cache_bytes_model", I, "B", "bytes the analytic model says the cache holds at the end of the point", "model"),
     ("peak_memory_predicted_bytes", I, "B", "the memory model's peak: weights + cache + the largest transients (harness.analysis.peak_memory); compare with peak_memory_bytes", "model"),
     ("bytes_per_step_model", I, "B", "bytes a decode step must move (weights, cache read, written, copied), mean over the timed steps", "model"),
@@ -270,6 +272,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("context_to_match_weights", F, "tokens", "tokens per sequence at which this batch's cache, as the layout stores it (kept tokens, layers, key channels, format), weighs as much as the weights a decode step reads (the cache is then half the step's bytes); null without a cache or where a token budget keeps it below them", "model"),
     ("flops_per_step_model", F, "FLOP", "FLOPs of a decode step, mean over the timed steps", "model"),
     ("kv_bytes_per_token_held", F, "B", "cache bytes per token held at ctx + decode_tokens, blocks, scales and full-width residual included (harness.analysis.analytic.kv_bytes_per_token_held); null without a cache", "model"),
+    ("accuracy_kv_bytes_per_token_held", F, "B", "kv_bytes_per_token_held at the end of an accuracy window (accuracy_ctx + accuracy_steps tokens): the bytes per token the accuracy columns were measured at; null without a cache or an accuracy pass", "model"),
     ("kv_cache_used_bytes_model", F, "B", "bytes the analytic model says the cache needs for ctx + decode_tokens tokens per sequence (blocks rounded up; no preallocation beyond them); null without a cache", "model"),
     # roofs (calibration)
     ("roof_bandwidth_Bps", F, "B/s", "read bandwidth calibrated on this device and dtype; null if not calibrated", "roofs"),

@@ -39,12 +39,19 @@ def _to_version_1(rows: pd.DataFrame, old: pd.Series) -> None:
 
 
 def _to_version_2(rows: pd.DataFrame, old: pd.Series) -> None:
-    """Version 1 to 2: the serving run's columns were added (workload_*, serving_*, the serving metrics,
-    the simulation's simulated, simulates_point_key and step_fit_*); a row of version 1 is a step
-    measurement, whose serving columns are null, as `complete` leaves them."""
+    """Version 1 to 2: the shape's own figures (kv_bytes_per_token, tokens_to_match_weights) and the bytes
+    per token held at the accuracy pass's length (accuracy_kv_bytes_per_token_held) were added. Each is
+    the analytic model's: left null here, filled by the loader's re-prediction step (harness.analysis.
+    results.add_predictions), which fills every roof-free prediction a row lacks."""
 
 
-STEPS = {0: _to_version_1, 1: _to_version_2}  # version -> the function bringing its rows to the next version
+def _to_version_3(rows: pd.DataFrame, old: pd.Series) -> None:
+    """Version 2 to 3: the serving run's columns were added (workload_*, serving_*, the serving metrics,
+    the simulation's simulated, simulates_point_key and step_fit_*); a row of version 2 or before is a step measurement, whose serving columns are null, as `complete`
+    leaves them."""
+
+
+STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3}  # version -> the function bringing its rows to the next version
 
 
 def upgrade(rows: pd.DataFrame) -> pd.DataFrame:

@@ -283,7 +283,7 @@ class EvictionStrategy(Strategy):
         heads, head_dim = shape.n_layers * shape.n_kv_heads, shape.resolved_head_dim
         stored = (2 * head_dim * dtype.itemsize if self.spec is None else
                   2 * payload_width(self.format, head_dim) + int(self.spec.scale_bytes_per_token(head_dim)))
-        sinks = self.policy.sinks * head_dim * dtype.itemsize if self.positions == "in_cache" else 0
+        sinks = self.policy.protected_first * head_dim * dtype.itemsize if self.positions == "in_cache" else 0
         return SequenceMemory(heads * (stored + 8), reserved=True, kept_tokens=self.policy.budget + 1,
                               sequence_bytes=heads * (8 + sinks))
 

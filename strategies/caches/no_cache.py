@@ -1,4 +1,4 @@
-"""`no_cache`: every step re-runs the whole sequence so far. The exactness reference.
+"""`no_cache`: every step re-runs the whole sequence so far. The recompute reference, whose tokens exact ones reproduce.
 
 Nothing is kept between steps except the token ids, so step i costs a full forward pass over
 ctx + i + 1 tokens (the prompt, the i tokens fed so far and the new one): work grows with the square
@@ -42,8 +42,7 @@ class NoCacheSession(DecodeSession):
 
 class NoCacheStrategy(Strategy):
     name = "no_cache"
-    caches_kv = False
-    reference = True  # exact by definition: the tokens every other strategy must reproduce
+    caches_kv = False  # the recompute reference: exact by definition, the tokens every other strategy must reproduce
 
     def kernel(self, device, dtype, shape=None) -> str:
         self.resolve_backend(device, dtype, shape)
