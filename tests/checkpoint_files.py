@@ -64,6 +64,10 @@ def header_of(path: Path) -> tuple[dict, bytes]:
 
 
 def write_header(path: Path, header, data: bytes) -> None:
-    """A safetensors file of `header` (any JSON value) and `data`, laid out as safetensors lays them."""
-    text = json.dumps(header).encode()
+    """A safetensors file of `header` (any JSON value, as Python's json writes it) and `data`."""
+    write_header_text(path, json.dumps(header).encode(), data)
+
+
+def write_header_text(path: Path, text: bytes, data: bytes) -> None:
+    """A safetensors file whose header is `text`, byte for byte, then `data`, laid out as safetensors lays them."""
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)

@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from harness.config import ModelConfig
 from harness.model import build_model
@@ -21,6 +22,16 @@ from harness.model.cpu_linear import resolve_matmul
 from harness.run.catalog import strategy_catalog
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Every property test draws the same examples on every run of the same commit, so a rerun gives the same
+# verdict: the draws seeded from the test's own source (derandomize), no example database replaying
+# another run's failures, and no verdict that turns on the clock (a deadline, the too-slow health check)
+# on a busy 2-core machine. Loaded here, before any test module's @settings reads the default. A
+# counterexample a test finds becomes an @example or a table case. The Hypothesis version is pinned in
+# pyproject.toml's test extra: another version draws other examples from the same seed.
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("deterministic")
 STRATEGIES = strategy_catalog()  # option name -> class, every strategy of conf/strategy/
 
 # The shape classes every strategy is proven exact on (GQA group sizes 2 and 4, the 8B's head width of

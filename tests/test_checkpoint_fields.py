@@ -9,7 +9,7 @@ import math
 import time
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harness.config import ModelConfig
@@ -153,7 +153,7 @@ changes = st.dictionaries(field_names, json_values, min_size=1, max_size=3)
 @example(changes={"rope_scaling": {"rope_type": "llama3", "factor": math.inf}})
 @example(changes={"tie_word_embeddings": True})  # legal: the head becomes the embedding table, lm_head extra
 @example(changes={"hidden_size": 32})  # legal JSON, contradicted by the tensors
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300)
 @given(changes=changes)
 def test_any_value_in_any_field_loads_cleanly_or_is_one_line(tmp_path_factory, changes):
     folder = write_checkpoint(tmp_path_factory.mktemp("drawn") / "tiny-llama")

@@ -7,13 +7,13 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 from harness.model.checkpoint import CheckpointError, read_checkpoint
 from harness.model.safetensors_header import INDEX, read_header
-from tests.checkpoint_files import header_of, write_checkpoint, write_header
+from tests.checkpoint_files import header_of, write_checkpoint, write_header, write_header_text
 
 EMBED = "model.embed_tokens.weight"  # [32, 16] fp32: 2048 bytes
 
@@ -73,11 +73,78 @@ def shifted(header: dict, by: int) -> None:
     (lambda h: h.update({"__metadata__": "pt"}), "__metadata__ must be a JSON object of strings"),
     (lambda h: [1, 2], "holds [1, 2], not a JSON object"),
     (lambda h: shifted(h, 4), "start at byte 4, where the tensors before it end at 0"),  # a gap
+    # The property's counterexample: an unread field holding NaN, which Python's json writes and reads
+    # and safetensors refuses ("expected value at line 1 column 126").
+    (lambda h: h["lm_head.weight"].update(other=math.nan), "NaN is not a JSON number"),
     (lambda h: h.update(overlap={"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}), "lays tensors end to end"),
 ])
 def test_a_bad_header_is_one_line_naming_the_file(folder, edit, says):
     edited_header(folder, edit)
     assert says in refused(folder, "model.safetensors")
+
+
+ONE_TENSOR = '"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'  # 8 bytes of data follow
+NESTED = lambda levels: "[" * levels + "]" * levels  # noqa: E731
+
+
+def beside_one_tensor(other: str) -> bytes:
+    """A header of one tensor whose entry also holds a field no reader reads: `"other": <other>`."""
+    return f'{{{ONE_TENSOR}, "other": {other}}}}}'.encode()
+
+
+# Headers where Python's JSON reader and safetensors' (serde_json) part: each refused here exactly when
+# safetensors refuses it (None: both open it), checked against safetensors itself.
+@pytest.mark.parametrize("text,data,says", [
+    (beside_one_tensor("NaN"), 8, "NaN is not a JSON number"),
+    (beside_one_tensor("-Infinity"), 8, "-Infinity is not a JSON number"),
+    (beside_one_tensor("1e400"), 8, "1e400 is beyond a double's range"),
+    (beside_one_tensor("1" + "0" * 400), 8, "is beyond a double's range"),
+    (beside_one_tensor('"\\ud800"'), 8, "lone surrogate escape"),
+    (b'{"t\\udc00": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8, "lone surrogate escape"),
+    (b'{"t": {"dtype": "F32", "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8, "'dtype' appears twice"),
+    (f'{{"__metadata__": {{}}, "__metadata__": {{}}, {ONE_TENSOR}}}}}'.encode(), 8, "'__metadata__' appears twice"),
+    (b"\xef\xbb\xbf{" + ONE_TENSOR.encode() + b"}}", 8, "Unexpected UTF-8 BOM"),
+    (beside_one_tensor('"?"').replace(b"?", b"\xed\xa0\x80"), 8, "can't decode byte 0xed"),  # a surrogate, encoded
+    (f"{{{ONE_TENSOR}}}}}".encode("utf-16"), 8, "can't decode byte 0xff"),
+    (beside_one_tensor(NESTED(126)), 8, "nested deeper than the 127 levels"),
+    (b'{"t": {"dtype": "F32", "shape": [2], "data_offsets": [-0, 8]}}', 8, "data_offsets must be a list of 2 integers"),
+    (b'{"t": {"dtype": "F32", "shape": [1099511627776, 1099511627776, 0], "data_offsets": [0, 0]}}', 0,
+     "counts past 2^64 elements"),  # safetensors multiplies extent by extent in 64 bits, before the 0
+    (beside_one_tensor("1e-400"), 8, None),  # underflows to 0: a number
+    (beside_one_tensor(str(2**64)), 8, None),  # beyond 64 bits: a float, where nothing wants an integer
+    (beside_one_tensor('"\\ud83d\\ude00"'), 8, None),  # a surrogate pair is one character
+    (beside_one_tensor(NESTED(125)), 8, None),  # 127 levels, the header object counted
+    (f" \n{{{ONE_TENSOR}}}}} \n".encode(), 8, None),
+    (b'{"t": {"dtype": "F8_E4M3FNUZ", "shape": [8], "data_offsets": [0, 8]}}', 8, None),
+])
+def test_a_header_is_refused_exactly_where_safetensors_refuses_its_json(tmp_path, text, data, says):
+    path = tmp_path / "model.safetensors"
+    write_header_text(path, text, b"\0" * data)
+    try:
+        with safe_open(path, framework="pt") as stored:
+            for name in stored.keys():
+                stored.get_tensor(name)
+        opened = True
+    except Exception:  # noqa: BLE001 -- safetensors' own refusal, of whatever type it raises
+        opened = False
+    if says is None:
+        assert opened
+        read_header(path)
+        return
+    assert not opened
+    with pytest.raises(CheckpointError) as error:
+        read_header(path)
+    message = str(error.value)
+    assert says in message and "\n" not in message and f"'{path}'" in message, message
+
+
+def test_a_key_listed_twice_is_refused_where_safetensors_keeps_one_unsaid(tmp_path):
+    path = tmp_path / "model.safetensors"
+    write_header_text(path, f"{{{ONE_TENSOR}}}, {ONE_TENSOR}}}}}".encode(), b"\0" * 8)
+    with safe_open(path, framework="pt") as stored:  # safetensors opens it: one of the two entries is read
+        assert list(stored.keys()) == ["t"]
+    with pytest.raises(CheckpointError, match="key 't' appears twice in one object"):
+        read_header(path)
 
 
 def test_data_past_or_short_of_the_header_is_refused(folder):
@@ -172,7 +239,8 @@ def apply_header_edits(header: dict, edits) -> None:
 @example(edits=[("field", 2, "data_offsets", None)])
 @example(edits=[("field", 3, "shape", [])])  # a scalar where a matrix belongs: its bytes no longer match
 @example(edits=[("new tensor", 0, "data_offsets", [0, 0])])  # an empty tensor: legal, then not part of the decoder
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(edits=[("field", 0, "other", math.nan)])  # Python's json writes NaN; safetensors refuses it
+@settings(max_examples=200)
 @given(edits=header_edits)
 def test_any_header_is_one_safetensors_opens_or_one_line(tmp_path_factory, edits):
     folder = write_checkpoint(tmp_path_factory.mktemp("drawn") / "tiny-llama")
@@ -213,7 +281,7 @@ def apply_index_edits(index: dict, edits) -> dict:
 @example(edits=[("weight_map", {"model.norm.weight": 3})])
 @example(edits=[("value", "model-00001-of-00002.safetensors")])
 @example(edits=[("metadata", None)])  # legal: nothing in it is read
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150)
 @given(edits=index_edits)
 def test_any_index_loads_cleanly_or_is_one_line(tmp_path_factory, edits):
     folder = write_checkpoint(tmp_path_factory.mktemp("drawn") / "sharded", shards=2)

@@ -275,10 +275,11 @@ def read_json_object(path: Path, max_bytes: int = JSON_MAX_BYTES) -> tuple[bytes
     return raw, json_object(raw, f"'{path}'")
 
 
-def json_object(raw: bytes, what: str) -> dict:
-    """`raw` parsed as a JSON object; CheckpointError saying `what` is not one."""
+def json_object(raw: bytes, what: str, loads: Callable[[bytes], Any] = json.loads) -> dict:
+    """`raw` parsed as a JSON object by `loads` (Python's JSON reader, or a stricter one raising
+    ValueError: the reader of the file's format); CheckpointError saying `what` is not one."""
     try:
-        value = json.loads(raw)
+        value = loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:  # RecursionError: nesting deeper than Python's stack
         raise CheckpointError(f"{what} is not valid JSON ({first_line(error, typed=False)})") from None
     if not isinstance(value, dict):

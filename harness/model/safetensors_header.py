@@ -3,10 +3,12 @@ header, and the index (`model.safetensors.index.json`) that names the files of a
 
 A safetensors file is 8 bytes of header length (little-endian), the header (a JSON object: each
 tensor's name -> its dtype, shape and data_offsets, plus an optional `__metadata__` of strings), then
-the tensors' bytes. Each entry is checked against TENSOR_FIELDS (harness.model.checkpoint_fields, the
-rules every metadata field follows), then against the file as safetensors itself checks it before it
-reads a byte: data_offsets [begin, end] hold exactly shape x dtype's bytes, and the tensors lie end
-to end over exactly the file's data. So a header this module accepts is one safetensors opens.
+the tensors' bytes. The header is parsed as safetensors' own JSON reader (Rust's serde_json) parses it,
+which is stricter than Python's (`_header_json`). Each entry is checked against TENSOR_FIELDS
+(harness.model.checkpoint_fields, the rules every metadata field follows), then against the file as
+safetensors itself checks it before it reads a byte: the element count, extent by extent, fits 64
+bits; data_offsets [begin, end] hold exactly shape x dtype's bytes; and the tensors lie end to end
+over exactly the file's data. So a header this module accepts is one safetensors opens.
 
 The index is a JSON object whose `weight_map` maps each tensor's name to the file holding it: a plain
 file name ending in .safetensors, in the checkpoint's folder (never a path out of it). Its `metadata`,
@@ -14,9 +16,12 @@ if present, is an object; nothing in it is read.
 """
 from __future__ import annotations
 
+import json
+import math
+import re
 import struct
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from harness.model.checkpoint_fields import (LAYERS_MAX, CheckpointError, Field, checked_fields, json_object,
                                              read_json_object, shown)
@@ -28,8 +33,14 @@ HEADER_MAX_BYTES = 100 * 2**20  # safetensors' own limit on a header
 # empty entries holds a million, seconds each hundred thousand).
 TENSORS_MAX = 16 * LAYERS_MAX
 INT64_MAX = 2**63 - 1  # offsets and sizes: safetensors reads them as 64-bit unsigned; a file is smaller
+UINT64_LIMIT = 2**64  # safetensors counts a tensor's elements, then its bits, in 64-bit unsigned arithmetic
+# Nesting serde_json reads (its recursion limit, 128, is reached by the 128th open bracket), the header
+# object itself counted: an ignored field nested deeper makes safetensors refuse the whole header.
+JSON_DEPTH_MAX = 127
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone \uD800-\uDFFF escape, which serde_json refuses
 # Every safetensors dtype code, and its bits per element (which codes load: harness.model.checkpoint).
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+              "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
               "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
               "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 TENSOR_FIELDS = (
@@ -58,7 +69,7 @@ def read_header(path: Path) -> tuple[bytes, dict[str, dict]]:
             raise CheckpointError(f"'{path}' is truncated or not safetensors: its header claims {length:,} bytes, "
                                   f"the file holds {size:,}")
         raw = f.read(length)
-    header = json_object(raw, f"'{path}' is not a safetensors file: its header")
+    header = json_object(raw, f"'{path}' is not a safetensors file: its header", loads=_header_json)
     metadata = header.pop(METADATA, None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"'{path}': {METADATA} must be a JSON object of strings, got {shown(metadata)}")
@@ -79,13 +90,70 @@ def _entry(path: Path, name: str, entry) -> dict:
     checked = checked_fields(entry, TENSOR_FIELDS, where)
     begin, end = checked["data_offsets"]
     elements = 1
-    for extent in checked["shape"]:
+    for extent in checked["shape"]:  # as safetensors counts: an overflow refuses, even before an extent of 0
         elements *= extent
+        if elements >= UINT64_LIMIT:
+            raise CheckpointError(f"{where('shape')} {shown(checked['shape'])} counts past 2^64 elements, its "
+                                  "extents multiplied in order: safetensors refuses a count past 64 bits")
     bits = elements * DTYPE_BITS[checked["dtype"]]
+    if bits >= UINT64_LIMIT:
+        raise CheckpointError(f"{where('shape')} {shown(checked['shape'])} of {checked['dtype']} holds 2^64 bits "
+                              "or more: safetensors refuses a size past 64 bits")
     if end < begin or 8 * (end - begin) != bits:
         raise CheckpointError(f"{where('data_offsets')} {[begin, end]} hold {end - begin:,} bytes; shape "
                               f"{checked['shape']} of {checked['dtype']} needs {bits / 8:,.0f}")
     return checked
+
+
+def _header_json(raw: bytes) -> Any:
+    """The header parsed as serde_json parses it for safetensors, where that is stricter than Python's
+    json: UTF-8 alone (no byte-order mark, no encoded surrogate); no NaN or Infinity; no number beyond a
+    double's range; an integer outside 64 bits, and -0, read as a float (so never a shape or an offset);
+    no lone surrogate escape; at most JSON_DEPTH_MAX levels of nesting. A key listed twice in one object
+    is refused too, a little stricter than safetensors (which refuses a tensor's field or __metadata__
+    listed twice, and of a tensor listed twice keeps one unsaid). ValueError says which rule."""
+    header = json.loads(raw.decode("utf-8"), parse_constant=_not_a_number, parse_int=_integer,
+                        parse_float=_finite, object_pairs_hook=_unique_keys)
+    pending = [(header, 1)]  # (a value, its nesting depth), walked without recursion
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ValueError(f"{shown(value)} holds a lone surrogate escape (\\uD800-\\uDFFF)")
+        elif isinstance(value, (dict, list)):
+            if depth > JSON_DEPTH_MAX:
+                raise ValueError(f"nested deeper than the {JSON_DEPTH_MAX} levels safetensors' JSON reader allows")
+            children = [*value, *value.values()] if isinstance(value, dict) else value
+            pending.extend((child, depth + 1) for child in children)
+    return header
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _integer(text: str) -> int | float:
+    """An integer as serde_json reads it: within 64 bits an integer; beyond, or -0, a float."""
+    value = int(text)
+    if -(2**63) <= value < UINT64_LIMIT and text != "-0":
+        return value
+    return _finite(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:20]}{'...' if len(text) > 20 else ''} is beyond a double's range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"key {shown(twice)} appears twice in one object")
+    return found
 
 
 def _check_layout(path: Path, entries: dict[str, dict], data_bytes: int) -> None:
