@@ -160,6 +160,18 @@ def capacity(shape: Shape, dtype: str, device_memory_bytes: float, tp: int = 1,
                     cache_room_bytes=device_memory_bytes - reserve_bytes - weights)
 
 
+def node_kv_budget_bytes(shape: Shape, dtype: str, device_memory_bytes: float, tp: int = 1,
+                        reserve: float = DEFAULT_RESERVE) -> float:
+    """The cache room of `tp` devices (Capacity.cache_room_bytes of each), in bytes of the whole
+    model's cache: what a server's KV budget is when it counts a token's K and V over every KV head, as
+    a strategy's own accounting does (strategies.serving.SequenceMemory). Each device holds its KV
+    heads' share of every token, so a budget of B whole-model bytes takes B x kv_heads_per_device /
+    n_kv_heads of each device: room x n_kv_heads / kv_heads_per_device (room x tp while tp divides
+    n_kv_heads; replicated heads count once). Negative when the weights do not fit."""
+    room = capacity(shape, dtype, device_memory_bytes, tp, CONTIGUOUS, reserve).cache_room_bytes
+    return room * shape.n_kv_heads / kv_heads_per_device(shape, tp)
+
+
 def capacity_figures(shape: Shape, dtype: str, layout: Optional[CacheLayout], tp: int, batch: int, tokens: int,
                      device_memory_bytes: Optional[float], reserve: float = DEFAULT_RESERVE) -> dict:
     """The capacity plan for `batch` sequences of `tokens` tokens (the cache at the end of a

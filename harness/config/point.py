@@ -182,8 +182,12 @@ class Point:
         if self.serving is not None:
             workload, budget = self.serving.workload, self.serving.serving.kv_budget_bytes
             rate = f" rate={workload.rate:g}/s" if workload.rate is not None and workload.arrival in ("poisson", "gamma") else ""
+            serving = self.serving.serving
+            kv = f"kv={budget / 2**20:.0f}MiB" if budget is not None else "kv=node"
+            simulated = (f" simulated={serving.executor}" + (f"@{serving.tp}x{serving.hardware}" if serving.hardware else "")
+                         if serving.executor != "measured" else "")
             return (f"{self.strategy.variant} {self.model.name} serving {workload.name} {workload.arrival}{rate} "
-                    f"kv={budget / 2**20:.0f}MiB {self.device}/{self.dtype}{options}")
+                    f"{kv} {self.device}/{self.dtype}{options}{simulated}")
         return f"{self.strategy.variant} {self.model.name} b={self.batch} ctx={self.ctx} {self.device}/{self.dtype}{options}"
 
 

@@ -153,13 +153,29 @@ class ServingConfig:
 
     ROW_PREFIX: ClassVar[str] = "serving_"  # columns serving_kv_budget_bytes, serving_prefill_chunk, ...
 
-    kv_budget_bytes: float = 256 * 2**20  # the KV cache's bytes, by the strategy's own accounting (strategies.serving)
+    # the KV cache's bytes, by the strategy's own accounting (strategies.serving); null (executor=roofline
+    # only): what `tp` devices of `hardware` have left after the weights and the reserve
+    kv_budget_bytes: Optional[float] = 256 * 2**20
     prefill_chunk: Optional[int] = None  # prompt tokens prefilled per iteration at most (chunked prefill); None: whole prompts
     max_batch: int = 256  # sequences running at once at most (vLLM's max_num_seqs)
     slo: SLOConfig = field(default_factory=SLOConfig)  # goodput's objectives
     # Every output token checked against the recompute reference (one teacher-forced pass per request
     # after the run, untimed): exact strategies' divergences and approximate ones' agreement
     check_tokens: bool = True
+    # measured: our decoder computes every iteration on this machine; fitted or roofline: nothing runs, a
+    # step-time model says how long each iteration would take (harness.serve.simulation) and the row is
+    # marked simulated: fitted from this machine's rows per strategy, or the analytic model at `hardware`'s roofs
+    executor: str = field(default="measured", metadata=OPTIONAL_IN_KEY)
+    # fitted: which rows of results_dir the step time is fitted from: serving (the iterations of this
+    # strategy's measured serving runs, the run this point simulates left out) or steps (its step points)
+    fit_from: str = field(default="serving", metadata=OPTIONAL_IN_KEY)
+    # roofline: the device, a datasheet of conf/hardware/ (h100_sxm, h200, a100_80g) or measured (this
+    # machine's calibration record)
+    hardware: Optional[str] = field(default=None, metadata=OPTIONAL_IN_KEY)
+    tp: int = field(default=1, metadata=OPTIONAL_IN_KEY)  # roofline: devices the model is split over (tensor parallel)
+    # roofline with kv_budget_bytes=null: the share of each device's memory kept back for activations and
+    # workspace, 0 to below 1; null: the capacity plan's (harness.analysis.capacity.DEFAULT_RESERVE)
+    reserve: Optional[float] = field(default=None, metadata=OPTIONAL_IN_KEY)
 
 
 @dataclass

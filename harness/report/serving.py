@@ -20,6 +20,7 @@ from harness.report import units as fmt
 from harness.report.document import Block, Figure, Heading, Paragraph, Table
 from harness.report.figures import PALETTE, in_units, legend_outside, log_scale, new_figure, save, title
 from harness.report import guard
+from harness.report.simulated import simulated_rows, simulation_section, validation_table
 
 HEADING = "Serving: what each strategy's memory buys"
 HOW_TO = ("No serving run here. Serve a workload through each strategy within one KV budget: "
@@ -49,9 +50,11 @@ def _colours(rows: pd.DataFrame) -> dict:
 
 
 def serving_section(table: pd.DataFrame, folders, out: Path) -> list[Block]:
-    rows = table[is_serving(table)]
+    serving = table[is_serving(table)]
+    simulated = serving[simulated_rows(serving)]  # computed, never measured: kept apart (harness.report.simulated)
+    rows = serving[~simulated_rows(serving)]
     blocks: list[Block] = [Heading(HEADING)]
-    if rows.empty:
+    if serving.empty:
         return blocks + [Paragraph(HOW_TO)]
     blocks.append(Paragraph(
         "Requests of real lengths arrive over time; an iteration-level scheduler admits them first come first "
@@ -65,7 +68,9 @@ def serving_section(table: pd.DataFrame, folders, out: Path) -> list[Block]:
     ok = rows[rows["status"] == "ok"]
     for index, (setting, group) in enumerate(ok.groupby(SETTING, dropna=False, sort=True)):
         blocks += _setting(dict(zip(SETTING, setting)), group, requests, out, index)
-    failed = rows[rows["status"] != "ok"]
+        blocks += validation_table(pd.concat([group, simulated[simulated["simulates_point_key"].isin(group["point_key"])]]))
+    blocks += simulation_section(serving)
+    failed = serving[serving["status"] != "ok"]
     if not failed.empty:
         blocks += [Heading("Serving runs that did not run", 3), Table(
             ["strategy", "workload", "rate", "status", "reason"],

@@ -27,7 +27,8 @@ from harness.run.metadata import git_commit, same_code
 from harness.run.row import build_row
 from harness.run.windows import MeasuredGroup
 from harness.serve.point import serve_point
-from harness.store.files import finished_row, write_requests, write_row
+from harness.serve.simulated_point import MEASURED, simulate_point
+from harness.store.files import finished_row, write_iterations, write_requests, write_row
 
 log = logging.getLogger("harness")
 
@@ -122,7 +123,8 @@ def _outcome(row: dict) -> str:
         diverged = (f", {row['requests_diverged']} request(s) left the reference's tokens (first at token "
                     f"{row['first_divergence_min']}, margin {row['divergence_margin_min']:.2g})"
                     if row["requests_diverged"] else "")
-        return (f"ok, {row['serving_requests']} requests in {row['serving_duration_s']:.1f} s: "
+        return (f"{'simulated, ' if row['simulated'] else ''}ok, {row['serving_requests']} requests in "
+                f"{row['serving_duration_s']:.1f} s: "
                 f"{row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 "
                 f"{(row['tpot_p50_s'] or 0) * 1e3:.1f} ms, KV holding tokens {row['kv_utilization']:.0%} of taken, "
                 f"batch up to {row['running_batch_peak']}, {row['preemptions']} preemption(s){diverged}")
@@ -245,17 +247,23 @@ def measure_timed(context: RunContext, group_id: str, timed: list, to_write: set
 
 
 def _serve_timed(context: RunContext, group_id: str, member, run, write: bool) -> None:
-    """A serving point served (harness.serve.point) and its row built; its per-request file written
-    first, then its row (the row is what makes the point finished, so a run killed between the two
-    serves it again). Nothing is handed back: a serving run has no decode steps for the slow-window
-    rule to set against other groups' (harness.run.windows)."""
+    """A serving point served (harness.serve.point), or simulated (harness.serve.simulated_point), and
+    its row built; its per-request file and iteration log written first, then its row (the row is what
+    makes the point finished, so a run killed between them serves it again). Nothing is handed back: a
+    serving run has no decode steps for the slow-window rule to set against other groups'
+    (harness.run.windows)."""
     began = time.monotonic()
-    measured = run(serve_point, member.point)
+    if member.point.serving.serving.executor == MEASURED:
+        measured = run(serve_point, member.point)
+    else:  # a simulation: nothing runs but the scheduler on a virtual clock, in this process
+        measured = simulate_point(member.point, member.config.results_dir)
     seconds = time.monotonic() - began
     row = build_row(member.point, measured, None, context.parallelism)
     if write:
         if measured.get("requests"):
             write_requests(member.config.results_dir, row, measured["requests"])
+        if measured.get("iterations_log"):
+            write_iterations(member.config.results_dir, row, measured["iterations_log"])
         _write(context, member, row, measured, seconds)
 
 

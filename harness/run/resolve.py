@@ -117,7 +117,7 @@ def point_from_config(cfg, variant: str = "") -> Point:
     if accuracy.max_ctx is not None and cfg.ctx <= accuracy.max_ctx:  # scored here: keyed as without max_ctx
         accuracy = dataclasses.replace(accuracy, max_ctx=None)
     scored = accuracy if not strategy.exact and accuracy.at_batch is None and accuracy.max_ctx is None else None
-    if scored is not None:
+    if scored is not None and cfg.get("workload") is None:  # a serving run scores no accuracy pass (harness.serve.exactness)
         accuracy_fits(model, dtype, device, cfg.ctx, scored)
     return Point(
         serving=serving_spec(cfg),

@@ -17,6 +17,7 @@ the pool follows, so the two can never disagree.
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -66,7 +67,7 @@ class KVMemory:
             self.n_blocks = self.budget_bytes // self.block_bytes
             order = list(range(self.n_blocks))
             random.Random(BLOCK_ORDER_SEED).shuffle(order)
-            self.free_blocks = order  # consumed from the front, returned to the back
+            self.free_blocks = deque(order)  # consumed from the front, returned to the back
 
     # -- what a request needs -------------------------------------------------------------------
 
@@ -167,5 +168,4 @@ class KVMemory:
         self.free_runs = merged
 
     def _take_blocks(self, count: int) -> list[int]:
-        taken, self.free_blocks = self.free_blocks[:count], self.free_blocks[count:]
-        return taken
+        return [self.free_blocks.popleft() for _ in range(count)]

@@ -38,6 +38,7 @@ from harness.serve.executor import DecoderExecutor, request_prompts
 from harness.serve.memory import KVMemory
 from harness.serve.records import ServingOutcome, WallClock
 from harness.serve.scheduler import serve
+from harness.serve.step_observations import IterationRecorder
 from harness.serve.workload import Workload, build_workload
 from strategies.base import StrategyUnavailable
 
@@ -48,7 +49,8 @@ TIMING_METHOD = "perf_counter around each iteration (CUDA: synchronized), arriva
 
 def serve_point(point: Point) -> dict:
     """The measured dict of a serving point (harness.run.row makes it a row); its `requests` entry (not a
-    column) holds one dict per request for the per-request file."""
+    column) holds one dict per request for the per-request file, its `iterations_log` the iteration log
+    (harness.serve.step_observations) for the iterations file."""
     with torch.inference_mode():
         try:
             return _serve(point)
@@ -81,6 +83,7 @@ class Served:
     contention: float
     kv_cache_bytes: int  # bytes of KV storage the server allocated for the budget
     peak: dict  # peak_memory_* columns: this process's, or None where the engine ran in another
+    iterations_log: Optional[dict] = None  # columns of the iterations (IterationRecorder.table), a simulation's fit; None: an engine's
 
 
 def _serve(point: Point) -> dict:
@@ -115,6 +118,8 @@ def _serve(point: Point) -> dict:
     if checks is not None:
         measured.update(exactness.summary(checks, served.outputs))
     measured["requests"] = request_rows(point, workload, served.outcome, served.outputs, checks)
+    if served.iterations_log is not None:
+        measured["iterations_log"] = served.iterations_log
     return measured
 
 
@@ -129,11 +134,13 @@ def _serve_on_pool(point: Point, strategy, model, workload: Workload, prompts, l
     pool = strategy.new_pool(model, layout, budget, max_len)
     executor = DecoderExecutor(pool, workload, prompts, device)
     _warm_up(pool, memory, prompts[0], device)
+    clock = WallClock()
+    recorder = IterationRecorder(executor, point.strategy.layout, clock)  # the log a simulation's step time is fitted from
     began = CpuTimes.now()
-    outcome = serve(workload, memory, executor, WallClock(), spec.prefill_chunk, spec.max_batch)
+    outcome = serve(workload, memory, recorder, clock, spec.prefill_chunk, spec.max_batch)
     contention = others_fraction_since(began)
     return Served(outcome, executor.outputs, pool.kernel, MATMUL_KERNELS[point.matmul], TIMING_METHOD, contention,
-                  budget, peak.read())
+                  budget, peak.read(), recorder.table())
 
 
 def _serve_on_engine(point: Point, strategy, model, workload: Workload, prompts, layout) -> Served:

@@ -36,7 +36,7 @@ class Unservable(RuntimeError):
     """A request the budget cannot hold even alone (the plan refuses such a workload first)."""
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: compared by identity (field equality made `in` quadratic and slow)
 class _Sequence:
     """A request's state in the loop."""
 

@@ -112,6 +112,11 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("serving_slo_tpot_s", F, "s", "goodput's objective on time per output token; null: none", "point"),
     ("serving_check_tokens", B, "", "every served token was checked against the recompute reference after the run", "point"),
     ("workload_hash", S, "", "the trace file's content hash; null for a synthetic workload", "point"),
+    ("serving_executor", S, "", "measured: our decoder served it on this machine; fitted or roofline: a simulation, nothing ran (harness.serve.simulated_point)", "point"),
+    ("serving_fit_from", S, "", "executor=fitted: the rows its step time is fitted from: serving (the iterations of this strategy's other measured serving runs) or steps (its step points)", "point"),
+    ("serving_hardware", S, "", "executor=roofline: the device whose datasheet roofs time each iteration (conf/hardware/)", "point"),
+    ("serving_tp", I, "devices", "executor=roofline: devices the model is split over (tensor parallel)", "point"),
+    ("serving_reserve", F, "", "executor=roofline with no budget: each device's share kept back for activations and workspace; null: the capacity plan's", "point"),
     # outcome
     ("status", S, "", "ok, skipped (cannot run here or does not fit) or failed (error at run time)", "measured"),
     ("reason", S, "", "why skipped or failed; empty when ok", "measured"),
@@ -246,6 +251,14 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("running_timeline", pa.list_(I), "sequences", "the running batch at each of serving_timeline_s", "measured"),
     ("kv_taken_timeline_bytes", pa.list_(I), "B", "the KV budget taken at each of serving_timeline_s", "measured"),
     ("kv_holding_timeline_bytes", pa.list_(I), "B", "the KV bytes holding tokens at each of serving_timeline_s", "measured"),
+    ("simulated", B, "", "true: the row was computed by a step-time model (serving.executor fitted or roofline), never measured; null or false: measured", "measured"),
+    ("simulates_point_key", S, "", "a simulated row: the point_key of the measured run it stands for (the same point with serving.executor=measured)", "measured"),
+    ("step_fit_source", S, "", "executor=fitted: the rows the step time was fitted from, in words", "measured"),
+    ("step_fit_observations", I, "iterations", "executor=fitted: the observations (iterations, steps or prompts) fitted", "measured"),
+    ("step_fit_coefficients", S, "JSON", "executor=fitted: seconds per unit of each feature of harness.serve.step_fit.FEATURES", "measured"),
+    ("step_fit_residual_median", F, "", "executor=fitted: median of |fitted / measured - 1| over the fit's own observations", "measured"),
+    ("step_fit_residual_p90", F, "", "executor=fitted: 90th percentile of the same", "measured"),
+    ("step_fit_total_ratio", F, "", "executor=fitted: fitted over measured seconds summed over the observations (the fit's bias on a whole run)", "measured"),
     ("tokens_checked", I, "tokens", "served output tokens checked against the recompute reference (harness.serve.exactness); null: not checked", "measured"),
     ("requests_diverged", I, "requests", "requests whose served tokens left the recompute reference's greedy choice somewhere", "measured"),
     ("first_divergence_min", I, "tokens", "the earliest output token (0-based) at which a request left the reference's choice; null: none did", "measured"),
@@ -321,6 +334,18 @@ REQUEST_COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
 ]
 REQUEST_SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in REQUEST_COLUMNS])
 
+# A measured serving run's iteration log (<results_dir>/_iterations/<the row's file name>): one row per
+# iteration, what a step time is fitted from (harness.serve.step_observations.IterationRecorder).
+ITERATION_COLUMNS: list[tuple[str, pa.DataType, str, str]] = [
+    ("decodes", I, "sequences", "sequences the iteration decoded one token for"),
+    ("decode_keys", I, "keys", "keys those decodes attended, summed (harness.analysis.cache_terms.attended_keys)"),
+    ("chunk_tokens", pa.list_(I), "tokens", "each prompt chunk's tokens, in order"),
+    ("prefill_pairs", I, "pairs", "(query, key) pairs of the chunks' causal attention"),
+    ("run_s", F, "s", "the executor's time for the iteration's passes"),
+    ("cycle_s", F, "s", "the iteration's start to the next one's (the scheduler's work between them included); null: the last, or one after which every sequence left (the loop may have waited for an arrival)"),
+]
+ITERATION_SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in ITERATION_COLUMNS])
+
 SCHEMA = pa.schema([(name, dtype) for name, dtype, *_ in COLUMNS])
 COLUMN_NAMES = [name for name, *_ in COLUMNS]
 COLUMNS_BY_SOURCE = {source: [c[0] for c in COLUMNS if c[4] == source] for source in ("point", "measured", "model", "roofs", "run")}
@@ -354,6 +379,11 @@ def columns_markdown() -> str:
               "`pandas.read_parquet(results_dir)` reads the rows alone, `pandas.read_parquet(results_dir + '/_requests')`",
               "every run's requests).", "", "| column | type | unit | meaning |", "|---|---|---|---|"]
     lines += [f"| `{name}` | {dtype} | {unit} | {meaning} |" for name, dtype, unit, meaning in REQUEST_COLUMNS]
+    lines.append("")
+    lines += ["## A measured serving run's iteration log", "",
+              "`<results_dir>/_iterations/<the row's file name>`, one row per iteration: what a simulation's step time",
+              "is fitted from (`serving.executor=fitted`).", "", "| column | type | unit | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{name}` | {dtype} | {unit} | {meaning} |" for name, dtype, unit, meaning in ITERATION_COLUMNS]
     lines.append("")
     return "\n".join(lines)
 

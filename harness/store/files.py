@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.files import write_whole
-from harness.store.columns import REQUEST_SCHEMA, SCHEMA
+from harness.store.columns import ITERATION_SCHEMA, REQUEST_SCHEMA, SCHEMA
 
 KEY_PATTERN = re.compile(r"[0-9a-f]{16}")  # harness.config.point.Point.key
 KEY_IN_NAME = re.compile(r"__([0-9a-f]{16})\.parquet$")
@@ -30,6 +30,7 @@ TEMP_NAME = re.compile(r"^\.(.+\.parquet)\.tmp-(\d+)$")
 
 
 REQUESTS_DIR = "_requests"  # a serving run's per-request files, under results_dir ('_': pyarrow skips it)
+ITERATIONS_DIR = "_iterations"  # a measured serving run's iteration logs, likewise
 
 
 def row_filename(row: dict) -> str:
@@ -129,12 +130,27 @@ def write_requests(results_dir: str | Path, row: dict, requests: list[dict]) -> 
     return write_whole(folder / row_filename(row), lambda handle: pq.write_table(table, handle))
 
 
+def write_iterations(results_dir: str | Path, row: dict, log: dict[str, list]) -> Path:
+    """A measured serving run's iteration log (harness.store.columns.ITERATION_COLUMNS, as columns),
+    written atomically to <results_dir>/_iterations/ under its row's file name."""
+    table = pa.Table.from_pydict({field.name: log[field.name] for field in ITERATION_SCHEMA}, schema=ITERATION_SCHEMA)
+    folder = Path(results_dir) / ITERATIONS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_whole(folder / row_filename(row), lambda handle: pq.write_table(table, handle))
+
+
+def read_iterations(results_dir: str | Path, row_file: str) -> dict[str, list] | None:
+    """The iteration log beside the row file named `row_file`, as columns; None where it has none."""
+    path = Path(results_dir) / ITERATIONS_DIR / row_file
+    return pq.read_table(path).to_pydict() if path.is_file() else None
+
+
 def remove_stale_temporaries(results_dir: str | Path) -> list[Path]:
     """Delete temporary files left by writers that were killed (their process no longer exists)."""
     folder = Path(results_dir)
     removed = []
-    temporaries = [*folder.glob(".*.parquet.tmp-*"), *(folder / REQUESTS_DIR).glob(".*.parquet.tmp-*")] \
-        if folder.is_dir() else []
+    temporaries = [path for sub in (folder, folder / REQUESTS_DIR, folder / ITERATIONS_DIR)
+                   for path in sub.glob(".*.parquet.tmp-*")] if folder.is_dir() else []
     for path in temporaries:
         match = TEMP_NAME.match(path.name)
         if match and not _process_alive(int(match.group(2))):

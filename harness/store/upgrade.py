@@ -49,8 +49,8 @@ def _to_version_2(rows: pd.DataFrame, old: pd.Series) -> None:
 
 
 def _to_version_3(rows: pd.DataFrame, old: pd.Series) -> None:
-    """Version 2 to 3: the serving run's columns were added (workload_*, serving_*, the serving metrics);
-    a row of version 2 or before is a step measurement, whose serving columns are null, as `complete`
+    """Version 2 to 3: the serving run's columns were added (workload_*, serving_*, the serving metrics,
+    the simulation's simulated, simulates_point_key and step_fit_*); a row of version 2 or before is a step measurement, whose serving columns are null, as `complete`
     leaves them."""
 
 
