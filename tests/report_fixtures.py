@@ -68,8 +68,8 @@ def row(strategy: str, batch: int, ctx: int, status: str = "ok", reason: str = "
             kv_cache_bytes=cache_bytes, peak_memory_bytes=cache_bytes + 50_000_000,
             tokens_digest=f"digest-b{batch}-c{ctx}", timing_method="perf_counter",
         )
-        if not where.strategy.exact:
-            measured.update(INT8_ACCURACY)
+        if not where.strategy.exact:  # scored after the point's own ctx, as the runner's pass records it
+            measured.update(INT8_ACCURACY, accuracy_ctx=ctx)
     built = build_row(where, measured, roofs=None)
     built["point_key"] = f"{strategy}-{batch}-{ctx}"
     return built

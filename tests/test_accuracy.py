@@ -183,13 +183,22 @@ def test_a_random_fill_is_scored_on_its_prompt_files_text(tmp_path):
         assert random[column] == computed[column], column  # the same windows, whatever the timed run filled
 
 
+def _sweep_point(*overrides: str, **where):
+    """The point of a sweep (`-m`) whose fields are `where`: an accuracy option that selects some of the
+    sweep's points (a single point it does not select is refused, tests/test_hardening_values.py)."""
+    from harness.run.plan import plan
+
+    points = [planned.point for planned in plan(["-m", "device=cpu", *overrides], cuda_available=lambda: False).planned]
+    return next(point for point in points if all(getattr(point, key) == value for key, value in where.items()))
+
+
 def test_a_sweep_over_batches_scores_one_batch_and_the_others_say_which():
     """accuracy.at_batch: the pass does not depend on the batch, so only that batch's points run it (keyed
     as if the setting were not there); the others' rows name the batch that holds the scores."""
     base = ("model=tiny", "strategy=int8", "ctx=16", "decode_tokens=2", "accuracy.tokens=8", "accuracy.steps=4")
-    scored = planned_point(*base, "batch=1", "accuracy.at_batch=1")
+    scored = _sweep_point(*base, "batch=1,2", "accuracy.at_batch=1", batch=1)
     assert scored.accuracy.at_batch is None and scored.key == planned_point(*base, "batch=1").key
-    other = planned_point(*base, "batch=2", "accuracy.at_batch=1")
+    other = _sweep_point(*base, "batch=1,2", "accuracy.at_batch=1", batch=2)
     assert other.accuracy.at_batch == 1 and other.key != planned_point(*base, "batch=2").key
     got = accuracy(other, other.strategy.instantiate(), cpu_model(other.model))
     assert got["logit_kl_mean"] is None and "batch=1" in got["accuracy_reference"]
@@ -201,9 +210,9 @@ def test_a_sweep_over_contexts_scores_up_to_max_ctx_and_the_longer_ones_say_so()
     """accuracy.max_ctx: points of a longer ctx leave the scores null (keyed apart) and say up to which ctx
     the variant was scored; the points within it are keyed as if the setting were not there."""
     base = ("model=tiny", "strategy=int8", "decode_tokens=2", "accuracy.tokens=8", "accuracy.steps=4")
-    scored = planned_point(*base, "ctx=16", "accuracy.max_ctx=16")
+    scored = _sweep_point(*base, "ctx=16,32", "accuracy.max_ctx=16", ctx=16)
     assert scored.accuracy.max_ctx is None and scored.key == planned_point(*base, "ctx=16").key
-    longer = planned_point(*base, "ctx=32", "accuracy.max_ctx=16")
+    longer = _sweep_point(*base, "ctx=16,32", "accuracy.max_ctx=16", ctx=32)
     assert longer.accuracy.max_ctx == 16 and longer.key != planned_point(*base, "ctx=32").key
     got = accuracy(longer, longer.strategy.instantiate(), cpu_model(longer.model))
     assert got["logit_kl_mean"] is None and "ctx=16" in got["accuracy_reference"]

@@ -1,4 +1,4 @@
-"""`python -m harness.analysis key=value ...`: the analytic model's figures for one workload (harness.analysis.cli)."""
+"""`python -m harness.analysis key=value ...`: the analytic model's figures for one point (harness.analysis.cli)."""
 import os
 import sys
 

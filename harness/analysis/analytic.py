@@ -375,7 +375,7 @@ def prefill_time(shape: Shape, dtype: str, batch: int, prompt: int, roof: Roof, 
 
 def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, roof: Roof,
             layout: Layout = CONTIGUOUS) -> dict:
-    """Every figure of the analytic CLI for one workload, the cached ones for `layout` (docs/analytic.md)."""
+    """Every figure of the analytic CLI for one point, the cached ones for `layout` (docs/analytic.md)."""
     max_len = ctx + decode_tokens
     step_bytes = decode_step_bytes(shape, dtype, batch, ctx, layout, max_len)["total"]
     step_flops = decode_step_flops(shape, batch, ctx, layout, max_len)

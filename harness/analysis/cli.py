@@ -1,4 +1,4 @@
-"""`python -m harness.analysis`: the analytic model's figures for one workload, as JSON or a table.
+"""`python -m harness.analysis`: the analytic model's figures for one point, as JSON or a table.
 
     python -m harness.analysis model=llama3_70b hardware=h100_sxm dtype=bfloat16 batch=1 ctx=4096 \
         decode_tokens=512 format=json
@@ -38,7 +38,7 @@ from harness.config.paths import config_dir
 from harness.config.overrides import (chosen_option, composition_refusal, named_options, parsed_overrides,
                                       strategy_option_refusal, unknown_option)
 from harness.config.validate import (bounded_tree, first_line, interpolations_resolve, known_keys,
-                                     one_of, positive_float, safe_name, target_class, validate_workload)
+                                     one_of, positive_float, safe_name, target_class, validate_sizes)
 
 CONF_DIR = config_dir()
 FORMATS = ("table", "json")
@@ -49,7 +49,7 @@ PRICE_BOUNDS = (1e-6, 1e6)  # USD per device-hour: a millionth of a cent to a mi
 
 @dataclass
 class AnalyticConfig:
-    """One workload for the analytic model (conf/analytic.yaml)."""
+    """One point for the analytic model (conf/analytic.yaml)."""
 
     model: ModelConfig  # decoder shape: a preset of conf/model/
     hardware: Hardware  # device roofs: a datasheet of conf/hardware/, or measured
@@ -148,11 +148,11 @@ def cache_layout(strategy, shape, chosen: str | None = None):
         raise UsageError(f"strategy: {str(error).splitlines()[0]}") from None
 
 
-def workload(cfg, chosen: str | None = None) -> tuple[ModelConfig, Roof, str, object]:
+def analytic_point(cfg, chosen: str | None = None) -> tuple[ModelConfig, Roof, str, object]:
     """Check what a type cannot express (the runner's own checks), resolve the roof and the layout."""
     try:
         known_keys(cfg, AnalyticConfig)  # a key added with `+` would be carried along unread
-        validate_workload(cfg)
+        validate_sizes(cfg)
         one_of("format", cfg.format, FORMATS)
         safe_name("hardware.name", cfg.hardware.name)
         if not str(cfg.results_dir).strip():
@@ -187,7 +187,7 @@ def _check_plan(cfg) -> None:
 
 def finite_figures(figures: dict) -> dict:
     """The figures, each a finite number (or a string, or None for no cache): JSON has no NaN, and a
-    table of inf tells nothing. The inputs are bounded (validate_workload, Hardware.roof), so this only
+    table of inf tells nothing. The inputs are bounded (validate_sizes, Hardware.roof), so this only
     guards the arithmetic."""
     for key, value in figures.items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -197,7 +197,7 @@ def finite_figures(figures: dict) -> dict:
 
 
 def figures_of(cfg, shape, roof, layout) -> dict:
-    """Every figure for the composed workload: the model's, split over cfg.tp devices, its capacity
+    """Every figure for the composed point: the model's, split over cfg.tp devices, its capacity
     plan for the cache at the end of the generation, and its cost."""
     figures = capacity.split_summary(shape, cfg.dtype, cfg.batch, cfg.ctx, cfg.decode_tokens, roof, layout, cfg.tp)
     figures.update(capacity.capacity_figures(shape, cfg.dtype, layout, cfg.tp, cfg.batch, cfg.ctx + cfg.decode_tokens,
@@ -219,7 +219,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg = compose(argv)
-        shape, roof, source, layout = workload(cfg, chosen_option("strategy", argv))
+        shape, roof, source, layout = analytic_point(cfg, chosen_option("strategy", argv))
         figures = figures_of(cfg, shape, roof, layout)
     except UsageError as error:
         print(error, file=sys.stderr)

@@ -50,7 +50,7 @@ def step_bytes_ratio(shape: Shape, dtype: str, batch: int, ctx: int, steps: int,
 
 def compression_figures(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int,
                         layout: Optional[CacheLayout]) -> dict:
-    """The analytic CLI's figures of what the layout keeps and what compressing can buy at the workload."""
+    """The analytic CLI's figures of what the layout keeps and what compressing can buy at the point."""
     if layout is None:
         return dict.fromkeys(("kept_tokens_per_sequence", "layers_stored", "key_channels_stored",
                               "cache_share_of_step_bytes", "step_bytes_ratio_to_exact", "context_to_match_weights",

@@ -1,6 +1,6 @@
 """The analytic figures a report draws beside the rows that no single row holds, computed once, as data:
 the predicted step along a grid of contexts (the plots' lines), the published shapes' table, and the
-questions' example workload (Llama 3 70B on an H100's datasheet).
+questions' example deployment (Llama 3 70B on an H100's datasheet).
 
 What a figure says of one row is the row's own column, computed where the row is made (harness.run.row,
 from harness.analysis.predictions; the loader fills it for rows written before it existed): its
@@ -35,7 +35,7 @@ class AnalyticTables:
 
     lines: pd.DataFrame  # LINE_KEYS, series, batch, ctx -> predicted_step_s, flops_per_step_model, prefill_bytes_per_token, decode_bytes_per_token, kv_cache_bytes_at_ctx
     published: pd.DataFrame  # every preset of conf/model/ in float32 and bfloat16: kv_bytes_per_token, weight_bytes, tokens_to_match_weights
-    workload: dict  # the questions' example workload: named figures (see workload_figures)
+    example: dict  # the questions' example deployment: named figures (see example_figures)
 
 
 def context_grid(ctxs) -> np.ndarray:
@@ -95,8 +95,8 @@ def published() -> pd.DataFrame:
                          for dtype in ("float32", "bfloat16")])
 
 
-def workload_figures() -> dict:
-    """The questions' example workload and what the analytic model says of it: Llama 3 70B in bf16 on
+def example_figures() -> dict:
+    """The questions' example deployment and what the analytic model says of it: Llama 3 70B in bf16 on
     an H100 SXM's datasheet roof, batch 1, a 4,096-token prompt, 512 decode steps."""
     shape, dtype, hardware = model_preset("llama3_70b"), "bfloat16", "h100_sxm"
     roof, p, steps, long = load_hardware(hardware).roof(dtype), 4096, 512, 32768
@@ -128,4 +128,4 @@ def analytic_tables(rows: pd.DataFrame) -> AnalyticTables:
     """The tables for a loaded table of rows (harness.analysis.results.load: series and roof_*_used set)."""
     if rows.empty or "roof_flops_used" not in rows:
         rows = pd.DataFrame(columns=[*LINE_KEYS, "series", "batch", "ctx", "decode_tokens", "caches_kv"])
-    return AnalyticTables(lines=_lines(rows), published=published(), workload=workload_figures())
+    return AnalyticTables(lines=_lines(rows), published=published(), example=example_figures())

@@ -98,7 +98,7 @@ MEMORY_KNOWN_WITHOUT_DEVICE = ("weight_bytes_per_device", "kv_bytes_per_token_pe
 
 
 def _notes(figures: dict, inputs: dict) -> dict[str, str]:
-    """What a figure is for, where the key alone does not say (the workload it was asked at)."""
+    """What a figure is for, where the key alone does not say (the point it was asked at)."""
     tokens = inputs["ctx"] + inputs["decode_tokens"]
     notes = {"kv_cache_bytes_per_device": f"batch {inputs['batch']:,} x {tokens:,} tokens",
              "max_tokens": "batch x tokens, any split", "max_batch": f"of {tokens:,} tokens each: ctx + decode_tokens",

@@ -65,7 +65,7 @@ def usage(config: type, config_file: Path, options: dict[str, list[str]], preset
     width = max(len(key) for key, _ in keys + fields)
     return "\n".join([
         "usage: python -m harness.analysis [key=value ...]", "",
-        "The analytic model of one decode workload: FLOPs, bytes and roofline times, what fits in each",
+        "The analytic model of one decode point: FLOPs, bytes and roofline times, what fits in each",
         "device's memory, and the cost of the tokens. Overrides use Hydra's syntax, as in the runner.", "",
         "Keys, as key=default, and what they mean:",
         *(f"  {key:<{width}}  {meaning}" for key, meaning in keys), "",

@@ -319,8 +319,8 @@ def _plain(cfg) -> Any:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def validate_workload(cfg) -> None:
-    """The keys the runner and the analytic CLI share: the shape and the sizes of the workload."""
+def validate_sizes(cfg) -> None:
+    """The keys the runner and the analytic CLI share: the shape and the sizes (batch, ctx, decode_tokens)."""
     for key in POSITIVE_RUN_KEYS:
         positive_int(key, cfg[key])
     validate_model(cfg.model)
@@ -343,7 +343,7 @@ def validate_run(cfg, cuda_available) -> None:
     `cuda_available` is a callable, so a CPU-only config never pays for asking.
     """
     known_keys(cfg)
-    validate_workload(cfg)
+    validate_sizes(cfg)
     output_folder("results_dir", cfg.results_dir)
     non_negative_int("seed", cfg.seed)
     one_of("device", cfg.device, DEVICES)

@@ -17,7 +17,7 @@ from harness.report.document import Block, Bullets, Heading, Paragraph, Table
 from harness.report.cohorts import Cohort, cached_rows, ordered_strategies, recompute_rows, SERIES
 from harness.report.plots import measured_ratio, positive
 
-# `ref`: the example workload's figures, harness.analysis.curves.workload_figures (a dict of named
+# `ref`: the example deployment's figures, harness.analysis.curves.example_figures (a dict of named
 # numbers, computed by the loader's step: this module does no arithmetic of the model).
 
 
@@ -223,7 +223,7 @@ def equal_batch_tokens(ref: dict, cohorts: list[Cohort], sets_by_cohort: dict) -
 def answers(table: pd.DataFrame, cohorts: list[Cohort], sets_by_cohort: dict, analytic) -> list[Block]:
     """Every answer, each built on its own (harness.report.guard): one that fails costs only itself.
     `analytic`: the loader's harness.analysis.curves.AnalyticTables."""
-    ref = analytic.workload
+    ref = analytic.example
     out: list[Block] = [
         Heading("What a KV cache buys and costs: the questions, answered"),
         Paragraph(f"Analytic figures are for {_ref_line(ref)}, batch {ref['batch']}, a {ref['ctx']:,}-token prompt "

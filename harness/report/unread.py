@@ -12,10 +12,11 @@ UNREAD_COLUMNS = (
     # the model's shape beyond what a prediction takes (harness.analysis.results.shape_of)
     "rope_theta", "norm_eps", "attention_bias", "tie_embeddings", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len",
-    # how the point was timed: the report judges the times, not the settings that produced them
+    # how the point was timed: the report judges the times, not the settings that produced them (timing_method
+    # it reads: the simulated-beside-measured table names what a step time was fitted from)
     "timing_warmup_min", "timing_warmup_max", "timing_settle_tolerance", "timing_cuda_graphs", "timing_cold_cache",
     "timing_prefill_repeats", "timing_prefill_budget_s", "timing_rounds_budget_s", "timing_max_passes", "threads",
-    "repeat", "timing_method", "interval_method", "decode_steps_timed", "warmup_steps", "group_size", "rounds",
+    "repeat", "interval_method", "decode_steps_timed", "warmup_steps", "group_size", "rounds",
     "contention", "prefill_p10_s", "prefill_p90_s", "prefill_ci_low_s", "prefill_ci_high_s", "prefill_repeats",
     # the run's inputs and the machine's state, recorded for whoever reruns it
     "checkpoint_format", "prompt_hash", "kernel", "compile_mode", "gpu_other_processes", "gpu_sm_clock_mhz",

@@ -8,7 +8,7 @@ How one key travels, e.g. `batch=4`, from the command line to its column:
 1. `harness.config.schema.RunConfig`: the field `batch`, its type and its default; Hydra composes the
    override into the config and refuses a wrong type.
 2. `harness.run.plan.plan`: every point of the sweep composed (`sweep_points`, `_plan_point`) before anything runs;
-   `harness.config.validate.validate_workload` refuses a value that is not a positive int64.
+   `harness.config.validate.validate_sizes` refuses a value that is not a positive int64.
 3. `harness.run.resolve.point_from_config`: copied into the frozen `harness.config.point.Point`, whose
    `key` hashes it (`harness.config.keys.keyed_fields`) and whose `group_key` groups it.
 4. `harness.run.grouping.form_groups`: the points that share it (and everything but the strategy) are one group.
