@@ -93,21 +93,34 @@ Tensor new_rows(const Tensor &x, const char *name, int64_t batch, int64_t n_kv, 
     return x.contiguous();
 }
 
+// The query [B, n_kv, G, D] fp32 both entry points take, checked: its sizes.
+struct QueryShape {
+    int64_t batch, n_kv, group, dim;
+};
+
+QueryShape query_shape(const Tensor &q) {
+    check_float(q, "q");
+    TORCH_CHECK(q.dim() == 4, "q must be 4-d [B, n_kv, G, D], got ", q.sizes());
+    check_heads(q.size(2), q.size(3));
+    return {q.size(0), q.size(1), q.size(2), q.size(3)};
+}
+
+void check_step_weights(int64_t step_weights) {
+    TORCH_CHECK(step_weights >= STEP_WEIGHTS_IGNORE && step_weights <= STEP_WEIGHTS_REPLACE,
+                "unknown step_weights code ", step_weights);
+}
+
 }  // namespace
 
 Tensor compacted_decode_attention_cpu(const Tensor &q, const std::vector<Tensor> &keys,
                                       const std::vector<Tensor> &values, const Tensor &fill,
                                       const std::optional<Tensor> &scores, int64_t step_weights, int64_t format,
                                       int64_t span) {
-    check_float(q, "q");
-    TORCH_CHECK(q.dim() == 4, "q must be 4-d [B, n_kv, G, D], got ", q.sizes());
-    const int64_t batch = q.size(0), n_kv = q.size(1), group = q.size(2), dim = q.size(3);
-    check_heads(group, dim);
+    const auto [batch, n_kv, group, dim] = query_shape(q);
     SlotTables tables = slot_tables(keys, values, format, span, batch, n_kv, dim);
     const int64_t slots = keys[0].size(2);
     check_fill(fill, batch, n_kv, slots, 1);
-    TORCH_CHECK(step_weights >= STEP_WEIGHTS_IGNORE && step_weights <= STEP_WEIGHTS_REPLACE,
-                "unknown step_weights code ", step_weights);
+    check_step_weights(step_weights);
     TORCH_CHECK(step_weights == STEP_WEIGHTS_IGNORE || scores.has_value(), "step weights need a score table");
     eviction_state scoring{};
     scoring.step_weights = (int)step_weights;
@@ -137,10 +150,7 @@ Tensor evicting_decode_step_cpu(const Tensor &q, const Tensor &k_new, const Tens
                                 int64_t protected_recent, int64_t format, int64_t span,
                                 const std::optional<Tensor> &sink_keys, const std::optional<Tensor> &cos,
                                 const std::optional<Tensor> &sin) {
-    check_float(q, "q");
-    TORCH_CHECK(q.dim() == 4, "q must be 4-d [B, n_kv, G, D], got ", q.sizes());
-    const int64_t batch = q.size(0), n_kv = q.size(1), group = q.size(2), dim = q.size(3);
-    check_heads(group, dim);
+    const auto [batch, n_kv, group, dim] = query_shape(q);
     SlotTables tables = slot_tables(keys, values, format, span, batch, n_kv, dim);
     const int64_t slots = keys[0].size(2);
     check_fill(fill, batch, n_kv, slots, 0);
@@ -152,8 +162,7 @@ Tensor evicting_decode_step_cpu(const Tensor &q, const Tensor &k_new, const Tens
     const int64_t *next = free.data_ptr<int64_t>();
     for (int64_t pair = 0; pair < batch * n_kv; pair++)
         TORCH_CHECK(0 <= next[pair] && next[pair] < slots, "free slot ", next[pair], " outside 0..", slots - 1);
-    TORCH_CHECK(step_weights >= STEP_WEIGHTS_IGNORE && step_weights <= STEP_WEIGHTS_REPLACE,
-                "unknown step_weights code ", step_weights);
+    check_step_weights(step_weights);
     TORCH_CHECK(position >= 0 && position < INT32_MAX && budget >= 1 && protected_first >= 0 && protected_recent >= 0,
                 "position ", position, ", budget ", budget, " or protection out of range");
     const Tensor k_rows = new_rows(k_new, "k_new", batch, n_kv, dim), v_rows = new_rows(v_new, "v_new", batch, n_kv, dim);
