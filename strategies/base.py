@@ -155,6 +155,10 @@ class Strategy(ABC):
     # whatever its length (static_full's max_len, a paged block, a full-width residual window).
     cache_cap_option: ClassVar[str | None] = None
     cache_allocation_options: ClassVar[tuple[str, ...]] = ()
+    # Its decode step runs on torch's intra-op threads (torch ops and the harness's kernels, which read
+    # the same count): the count a group fits to the free cores (harness.measure.threads). False: an
+    # engine's own pool, sized once at its set-up.
+    torch_threads: ClassVar[bool] = True
 
     def __init__(self, backend: str = "auto"):
         allowed = ("auto", *self.backend_names())

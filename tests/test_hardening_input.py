@@ -106,7 +106,7 @@ def analytic(*args: str) -> tuple[int, str, str]:
     ("+batch=4", "batch: is a key already: set it without '+'", ""),
     ("batch=null", "batch: cannot be null: give it a value", ""),
     ("timing.warmup_max=null", "timing.warmup_max: cannot be null: give it a value", ""),
-    ("+timing.warmup=2", "timing.warmup: is not a key; allowed in timing: cold_cache, cuda_graphs,", ""),
+    ("+timing.warmup=2", "timing.warmup: is not a key; allowed in timing: adapt_threads, cold_cache, cuda_graphs,", ""),
     # Hydra's lexer's exception name before ("command line: LexerNoViableAltException: strategy=contigüous")
     ("strategy=contigüous", "strategy: unknown option 'contigüous', allowed: contiguous, dynamic,", ""),
     ("dtype=flöat", "dtype: cannot read 'flöat' (Hydra's override grammar stops at 'ö'): a value is letters,", ""),

@@ -84,6 +84,17 @@ def test_the_upgrader_adds_every_column_of_today_typed():
     assert "strategy_family" not in old  # a copy
 
 
+def test_rows_before_the_fitted_threads_ran_every_step_at_their_threads():
+    """Version 3 rows: a cache's timed steps ran none at fewer threads; an engine's (its own pool) and a
+    row that timed nothing say nothing."""
+    old = pd.DataFrame({"schema_version": [3, 3, 3], "decode_steps_timed": [16, 16, None],
+                        "engine": [None, "llama.cpp", None]})
+    new = upgrade(old)
+    assert list(new["decode_steps_fewer_threads"].astype(object).where(new["decode_steps_fewer_threads"].notna(),
+                                                                       None)) == [0, None, None]
+    assert list(new["timing_adapt_threads"]) == [False] * 3
+
+
 def test_a_row_read_twice_counts_once_and_says_so(tmp_path):
     folder = write_results(tmp_path / "r", awkward=False, batches=(1,), contexts=(64,), row_roofs=True)
     first = next(folder.glob("contiguous*.parquet"))

@@ -83,6 +83,11 @@ class TimingConfig:
     # fits this budget, up to max_passes: cheap steps get more rounds and narrower intervals
     rounds_budget_s: float = 5.0
     max_passes: int = 8  # passes over the decode positions at most (1: each position timed once)
+    # CPU: while other processes hold cores, run the eager steps on torch's threads (our caches; not an
+    # engine's pool, nor a compiled step) at fewer threads, refitted every 0.1 s, so no barrier waits on a
+    # thread queued behind another process (harness.measure.threads; decode_steps_fewer_threads counts
+    # such steps). false: `threads` throughout
+    adapt_threads: bool = field(default=True, metadata=OPTIONAL_IN_KEY)
 
 
 @dataclass

@@ -49,12 +49,18 @@ class CpuTimes:
         return cls(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), mine.user + mine.system)
 
 
-def others_fraction(start: CpuTimes, end: CpuTimes) -> float:
-    """Share of all cores' time between two readings that processes other than this one took."""
+def others_cores(start: CpuTimes, end: CpuTimes) -> float:
+    """Cores' worth of time between two readings that processes other than this one took (0 to the
+    core count; steal included: a hypervisor's other guests are others too)."""
     wall = end.wall - start.wall
     if wall <= 0:
         return 0.0
-    return max(0.0, (end.busy - start.busy) - (end.mine - start.mine)) / (wall * os.cpu_count())
+    return max(0.0, (end.busy - start.busy) - (end.mine - start.mine)) / wall
+
+
+def others_fraction(start: CpuTimes, end: CpuTimes) -> float:
+    """Share of all cores' time between two readings that processes other than this one took."""
+    return others_cores(start, end) / os.cpu_count()
 
 
 def others_fraction_since(start: CpuTimes) -> float:

@@ -40,6 +40,7 @@ from harness.measure.agreement import NOT_CHECKED, checks_agreement, judge_kl
 from harness.measure.decoding import PREFILL, accuracy, accuracy_failed, tokens_digest
 from harness.measure.roofs import PROBE_BYTES, GemvRead, gemv_kernels
 from harness.measure.rounds import Rounds, RoundsOptions, time_rounds
+from harness.measure.threads import fitted_threads
 from harness.measure.timing import StepTimer
 from harness.model import build_model
 from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
@@ -86,7 +87,8 @@ class _GroupRun:
         self.device, self.dtype = torch.device(first.device), getattr(torch, first.dtype)
         torch.set_num_threads(first.threads)
         self.timer = StepTimer(self.device, cold_cache=first.timing.cold_cache)
-        self.members = [Member(point) for point in request.members]
+        self.threads = fitted_threads(first)  # one count for the process: the members on torch's threads share it
+        self.members = [Member(point, self.threads) for point in request.members]
         self.models: dict[str, tuple[object, int]] = {}  # matmul -> (model, its resident bytes)
 
     def model_for(self, point: Point):
@@ -160,7 +162,11 @@ class _GroupRun:
                                 budget_s=first.timing.rounds_budget_s, warmup=0, keep_going=True)
         graphs_before = graphs_compiled()
         steps = {str(i): member.step() for i, member in enumerate(self.members) if member.live}  # named by index
-        rounds = time_rounds(steps, options, probe, self.timer)
+        try:
+            rounds = time_rounds(steps, options, probe, self.timer)
+        finally:
+            if self.threads is not None:
+                self.threads.restore()  # the accuracy passes after the rounds run at the threads asked
         recompiles = graphs_compiled() - graphs_before  # before any other code can compile
         gpu = gpu_state(self.device.index or 0) if self.device.type == "cuda" else {}
         hugepages = anon_hugepages_bytes()  # what the pages were, whatever was asked, while every table is held
@@ -203,6 +209,7 @@ class _GroupRun:
             "decode_step_s": stats.p50, "decode_step_p10_s": stats.p10, "decode_step_p90_s": stats.p90,
             "decode_step_ci_low_s": step.low, "decode_step_ci_high_s": step.high,
             "decode_steps_timed": stats.count, "decode_step_times_s": list(timed.seconds[str(index)]),
+            "decode_steps_fewer_threads": member.steps_fewer_threads if member.follows_torch_threads else None,
             "rounds": timed.count, "interval_method": INTERVAL_METHOD,
             "warmup_steps": member.warmup_steps,
             "timing_method": self.timer.method + (", CUDA graph replay" if point.timing.cuda_graphs else "")

@@ -24,6 +24,7 @@ from harness.measure.graphs import EAGER_WARMUP_STEPS, GraphedSteps
 from harness.measure.memory import PeakTracker, shortfall
 from harness.measure.decoding import not_run, start_decode
 from harness.measure.rounds import Rounds, Step
+from harness.measure.threads import FreeCoreThreads
 from harness.measure.timing import StepTimer, warm_up
 from strategies.base import StrategyUnavailable
 
@@ -38,10 +39,12 @@ PEAK_METHOD = {
 class Member:
     """A point of a group and, once set up, its live session and the tokens its steps generated."""
 
-    def __init__(self, point: Point):
+    def __init__(self, point: Point, threads: FreeCoreThreads | None = None):
         self.point = point
+        self.threads = threads  # the group's thread count fitted to the free cores; None: `threads` throughout
         self.outcome: dict | None = None  # set when the member is skipped or failed: its whole measured dict
         self.steps_taken = 0  # timed steps so far: the round index of the next one
+        self.steps_fewer_threads = 0  # timed steps run at fewer torch threads than the point's `threads`
         self.generated: list[torch.Tensor] = []  # [B] per position, the first decode token first
         self.strategy = None  # the strategy object, built at set-up
         self.session = None  # the live DecodeSession, from set-up until release or failure
@@ -139,8 +142,17 @@ class Member:
         first pass's tokens again (the same computation), its outputs dropped."""
         return Step(run=None, before=self._prepare, after=self._record)
 
+    @property
+    def follows_torch_threads(self) -> bool:
+        """Its steps run at torch's thread count of the moment: not an engine's (its pool was sized at
+        its set-up), nor a compiled step's (inductor's kernels fixed their count when compiled)."""
+        return type(self.strategy).torch_threads and self.compiled is None
+
     def _prepare(self) -> Callable[[], torch.Tensor]:
-        """Rewind where a pass begins, and bind the step to its input token: the call the rounds time."""
+        """Rewind where a pass begins, fit the thread count to the free cores, and bind the step to its
+        input token: the call the rounds time."""
+        if self.threads is not None and self.follows_torch_threads:
+            self.steps_fewer_threads += self.threads.check() < self.threads.asked
         position = self.steps_taken % self.point.decode_tokens
         if self.steps_taken >= self.point.decode_tokens and position == 0:
             self.session.rewind(self.point.ctx)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 # The version of the column set below: raise it, and add a step to harness.store.upgrade, whenever a
 # column is added, renamed or changes meaning, so rows written before read as rows of today.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 T = pa.timestamp("us", tz="UTC")
@@ -71,6 +71,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("timing_prefill_budget_s", F, "s", "time budget of the prompt's repeats", "point"),
     ("timing_rounds_budget_s", F, "s", "a group replays its decode positions while another pass of its rounds fits this budget", "point"),
     ("timing_max_passes", I, "", "passes over the decode positions at most; rounds = passes x decode_tokens", "point"),
+    ("timing_adapt_threads", B, "", "on a CPU, eager steps on torch's threads were to run at fewer threads while other processes held cores (how many did: decode_steps_fewer_threads)", "point"),
     ("batch", I, "sequences", "sequences decoded together", "point"),
     ("ctx", I, "tokens", "prompt tokens per sequence, the context at the first decode step", "point"),
     ("decode_tokens", I, "steps", "timed greedy decode steps", "point"),
@@ -137,6 +138,7 @@ COLUMNS: list[tuple[str, pa.DataType, str, str, str]] = [
     ("decode_step_p10_s", F, "s", "10th percentile of decode step times", "measured"),
     ("decode_step_p90_s", F, "s", "90th percentile of decode step times", "measured"),
     ("decode_steps_timed", I, "steps", "number of timed steps behind the percentiles: decode_tokens x the passes the group made", "measured"),
+    ("decode_steps_fewer_threads", I, "steps", "timed steps run at fewer torch threads than `threads`, other processes holding cores (timing_adapt_threads); null: its steps ran at a count of their own (an engine's pool, a compiled step)", "measured"),
     ("warmup_steps", I, "steps", "untimed warm-up steps run at the first decode position", "measured"),
     ("timing_method", S, "", "clock and options that timed the steps: CUDA events or perf_counter, cache flush, CUDA graph replay", "measured"),
     ("tokens_per_s", F, "tokens/s", "batch / decode_step_s", "measured"),

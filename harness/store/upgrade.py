@@ -54,7 +54,17 @@ def _to_version_3(rows: pd.DataFrame, old: pd.Series) -> None:
     leaves them."""
 
 
-STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3}  # version -> the function bringing its rows to the next version
+def _to_version_4(rows: pd.DataFrame, old: pd.Series) -> None:
+    """Version 3 to 4: timing.adapt_threads and decode_steps_fewer_threads were added. Before, every step
+    ran at the point's `threads`: a measured row of a cache's steps ran none at fewer (an engine's row, on
+    its own pool, stays null, as does a compiled step's: its kernels fix their count), and no thread
+    count was adapted."""
+    rows.loc[old & rows["timing_adapt_threads"].isna(), "timing_adapt_threads"] = False
+    eager = rows["compile"].isna() | rows["compile"].eq("none")
+    rows.loc[old & rows["decode_steps_timed"].notna() & rows["engine"].isna() & eager, "decode_steps_fewer_threads"] = 0
+
+
+STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3, 3: _to_version_4}  # version -> the function bringing its rows to the next version
 
 
 def unreadable_versions(rows: pd.DataFrame) -> pd.Series:

@@ -29,8 +29,10 @@ per KV type under conf/strategy/):
   reads (strategies.engines.artifacts.gguf_writer, written once per checkpoint hash): never the engine's
   own quantized copy. What an engine converts it to (an IR, an ONNX folder) is an artifact too
   (strategies/engines/artifacts/), and what it loads from them is loaded once per process (`once`).
-- Threads: the engine gets `torch.get_num_threads()` (the point's `threads`), and its worker threads
-  must not spin while another member's step runs (an A/A pair of one engine member reads ~1.0).
+- Threads: the engine gets `torch.get_num_threads()` (the point's `threads`) when its session is made,
+  and its worker threads must not spin while another member's step runs (an A/A pair of one engine
+  member reads ~1.0). The count a group fits to the free cores later (harness.measure.threads) is
+  torch's, not the engine's: a peer declares `torch_threads = False`.
 - A KV type, shape or batch the engine cannot run at a point, or a model it cannot load: raise
   `self.refused(what, its_words)` (a StrategyUnavailable) from `new_session` with the engine's own
   words, made one line: a skipped row (harness.measure.member). A KV type the engine cannot store at a
@@ -140,6 +142,7 @@ class PeerStrategy(Strategy):
     dtypes = ("float32",)
     graph_capturable = False
     compilable = False
+    torch_threads = False  # its own worker threads, sized at set-up (Threads, in this module's docstring)
     engine: ClassVar[str]  # the engine's name in rows
     package: ClassVar[str]  # the module its wheel installs
     needs_checkpoint = True  # the engine reads the checkpoint's weights, written in its format
