@@ -47,6 +47,19 @@ def test_a_truncated_or_two_row_file_is_not_finished(tmp_path):
     assert finished_row(tmp_path, point.key) is None
 
 
+@pytest.mark.parametrize("model", ["m" * 400, "模" * 200])
+def test_a_row_of_a_model_named_longer_than_a_file_name_is_written_and_found_by_its_key(tmp_path, model):
+    """A checkpoint's name becomes the row's `model`: a long one still gives a file name within 255
+    bytes (cut at whole characters), and the point is finished by its key."""
+    from harness.run.row import build_row
+    from harness.store.files import write_row
+
+    point = planned()[0].point
+    path = write_row(tmp_path, {**build_row(point, {"status": "ok", "reason": None}), "model": model})
+    assert len(path.name.encode()) <= 255 and path.name.endswith(f"__{point.key}.parquet")
+    assert finished_row(tmp_path, point.key).status == "ok" and point.key in finished_rows(tmp_path)
+
+
 @pytest.mark.slow  # through the CLI; the rule itself, in process: the test above
 def test_a_truncated_row_is_measured_again(tmp_path):
     results = seeded(tmp_path / "results")

@@ -136,6 +136,7 @@ KEYS = {  # case -> (arguments, the key, what the line says)
                  "must be a list of layer indices >= 1, such as [1,3]"),
     "layers=abc": (["strategy=layer_share", "strategy.layers=abc"], "strategy.layers", "got 'abc'"),
     "layers=[1,abc]": (["strategy=layer_share", "strategy.layers=[1,abc]"], "strategy.layers", "got [1, 'abc']"),
+    "layers=[1,1]": (["strategy=layer_share", "strategy.layers=[1,1]"], "strategy.layers", "names a layer more than once"),
     "+strategy.foo=1": (["+strategy.foo=1"], "strategy.foo", "contiguous has no option 'foo'; its options: backend"),
     "+strategy.foo=1 on a variant": (["strategy=h2o", "+strategy.foo=1"], "strategy.foo",
                                      "h2o (eviction) has no option 'foo'; its options: backend, policy, budget"),

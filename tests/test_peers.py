@@ -159,7 +159,7 @@ def test_the_report_sets_the_engine_beside_the_exact_cache(group):
     tables = [block for block in blocks if isinstance(block, Table)]
     steps, target, accuracy, not_run = tables
     assert [row[2] for row in steps.rows] == ["contiguous", "fake_engine"]
-    assert steps.rows[1][3:5] == ["fake", "f32"] and steps.rows[0][7] == "reference"
+    assert steps.rows[1][3:5] == ["fake (built here)", "f32"] and steps.rows[0][7] == "reference"  # which build ran
     assert target.rows[0][2] == "fake_engine" and target.rows[0][6] in ("harness faster", "harness slower",
                                                                        "tie (interval covers 1)")
     assert [row[1] for row in accuracy.rows] == ["fake_engine"]  # scored on the windows, with its agreement

@@ -4,7 +4,7 @@
 Rows are known as engine members by their `engine` column (what the member reported of itself), never
 by a strategy's name. Three tables, from the groups that hold at least one engine member:
 - every member's step per batch and context, divided by the group's exact cache in the same rounds
-  (paired ratio, 95% interval), with the engine and its KV type in its own words;
+  (paired ratio, 95% interval), with the engine (and which build of it ran) and its KV type in its own words;
 - the target: the exact cache's step divided by each engine's full-precision member's (the inverse of
   that member's paired ratio and interval; below 1 the harness is faster), with the verdict;
 - accuracy across engines: every approximate member, ours and the engines', scored on the same windows
@@ -43,7 +43,12 @@ def _verdict(low, high, faster: str, slower: str) -> str:
 
 
 def _who(row) -> str:
-    return row["engine"] if isinstance(row.get("engine"), str) else "harness"
+    """The engine in its own words, and which build of it ran (a wheel as published, or built here for
+    this machine): their steps differ widely on one CPU, so a figure without it misleads."""
+    if not isinstance(row.get("engine"), str):
+        return "harness"
+    build = row.get("engine_build")
+    return f"{row['engine']} ({build})" if isinstance(build, str) else row["engine"]
 
 
 def _kv(row) -> str:

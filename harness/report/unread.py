@@ -27,6 +27,6 @@ UNREAD_COLUMNS = (
     "ncu_kernels", "logit_max_abs_error", "perplexity_delta", "accuracy_windows", "accuracy_s", "recall_tokens",
     "recall_distance", "agreement_logit_max_abs",
     # the software and the sweep it came from
-    "engine_version", "engine_isa", "engine_build", "engine_build_flags", "torch_version", "harness_version", "git_commit",
+    "engine_version", "engine_isa", "engine_build_flags", "torch_version", "harness_version", "git_commit",
     "hostname", "sweep_parallelism", "config_json",
 )

@@ -33,12 +33,20 @@ REQUESTS_DIR = "_requests"  # a serving run's per-request files, under results_d
 ITERATIONS_DIR = "_iterations"  # a measured serving run's iteration logs, likewise
 
 
+# Bytes of a row file's name before its key: with the key and the suffix (the key's 16 hex digits and
+# ".parquet", and a temporary's suffix while it is written) well within a file name's 255 bytes.
+DESCRIBED_MAX = 180
+
+
 def row_filename(row: dict) -> str:
     """Named by the strategy's class (`strategy_family`), not its variant name: one point has one file
     whichever variant name measured it (a variant and the same options set by hand share the key). A
     serving run's is named by its workload instead of its batch and context."""
     shape = f"serve-{row['workload']}" if row.get("workload") is not None else f"b{row['batch']}__ctx{row['ctx']}"
-    return f"{row['strategy_family']}__{row['model']}__{shape}__{row['point_key']}.parquet"
+    described = f"{row['strategy_family']}__{row['model']}__{shape}".encode()
+    if len(described) > DESCRIBED_MAX:  # a long checkpoint name: the key alone finds the file (finished_row)
+        described = described[:DESCRIBED_MAX].decode(errors="ignore").encode()  # whole UTF-8 characters
+    return f"{described.decode()}__{row['point_key']}.parquet"
 
 
 @dataclass(frozen=True)

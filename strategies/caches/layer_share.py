@@ -67,6 +67,8 @@ class LayerShareStrategy(Strategy):
                     isinstance(layer, int) and not isinstance(layer, bool) and layer >= 1 for layer in layers):
                 raise StrategyOptionError("layers", f"must be a list of layer indices >= 1, such as [1,3] (layer 0 "
                                                     f"has none below to read), or null; got {layers!r}")
+            if len(set(layers)) != len(layers):
+                raise StrategyOptionError("layers", f"names a layer more than once: {layers!r} (each reading layer once)")
             layers = list(layers)
         self.fraction, self.layers = float(fraction), sorted(set(layers)) if layers is not None else None
 
