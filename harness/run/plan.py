@@ -199,6 +199,11 @@ def plan_group(spec: GroupSpec, cuda_available) -> list[PlannedPoint]:
         restore_gh_from_backup(backup)
 
 
+# Each strategy option file's own options, composed once per process (the files do not change while it
+# runs; the key holds any hydra.searchpath override): a plan composed them again for every command line.
+_AS_CHOSEN: dict = {}
+
+
 @dataclass
 class _CommandLine:
     """A command line composed once: what every point of it shares."""
@@ -209,7 +214,7 @@ class _CommandLine:
     elsewhere: bool  # a launcher runs the groups' jobs on other hosts
     in_process: bool  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
     launcher: str | None  # the launcher's class (hydra.launcher._target_)
-    as_chosen: dict = field(default_factory=dict)  # strategy options as each option's file gives them (run.variants)
+    as_chosen: dict = field(default_factory=lambda: _AS_CHOSEN)  # strategy options as each option's file gives them (run.variants)
 
 
 def _command_line(argv: list[str]) -> _CommandLine:

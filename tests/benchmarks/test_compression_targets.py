@@ -8,6 +8,8 @@ operations (backend torch, the code path before those kernels), beside `contiguo
 the ratios to `contiguous` measured in this run: each C step at most 10% above its predicted ratio (the
 analytic model's step bytes, the policy's bookkeeping included), and `think` faster than the exact cache.
 Run: `python -m pytest -m target tests/benchmarks/test_compression_targets.py -s` (prints every figure).
+Where the evicting steps' time goes at this point, and why they stay above the byte ratio (the linears,
+compute-bound at batch 16): docs/performance.md, from tests/benchmarks/step_profile.py.
 """
 from __future__ import annotations
 
