@@ -12,15 +12,18 @@ Both move more bytes than a CPU's L3 (tens of MiB; about 100 MiB on the largest 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from harness.analysis import analytic
 from harness.config import ModelConfig
+from harness.config.paths import config_dir
 from harness.measure.contention import CpuTimes, others_fraction
 from harness.measure.rounds import Rounds, RoundsOptions, Step, time_rounds
 from harness.model.cpu_linear import resolve_matmul
@@ -52,6 +55,12 @@ POINTS = {
     "heavy": BenchPoint("heavy", HEAVY_MODEL, batch=16, ctx=2048, prefill="random"),
 }
 PREFILL = (LIGHT_MODEL, 1, 256)  # shape, batch, prompt tokens of the prefill benchmark
+
+
+def smollm2_shape() -> ModelConfig:
+    """SmolLM2-135M's shape as conf/model/ states it, without its checkpoint (random weights, same bytes)."""
+    fields = yaml.safe_load((config_dir() / "model" / "smollm2_135m.yaml").read_text())
+    return dataclasses.replace(ModelConfig(**fields), checkpoint=None)
 
 
 # The linear layers' kernel a harness run uses here by default at the suite's largest batch (matmul=auto:

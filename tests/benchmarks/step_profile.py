@@ -18,25 +18,15 @@ The figures behind docs/performance.md's "Where a compressed step's time goes". 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 
 import torch
-import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from harness.config import ModelConfig
-from harness.config.paths import config_dir
 from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import build_model
 from harness.run.plan import plan
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED
-
-
-def smollm2_shape() -> ModelConfig:
-    """SmolLM2-135M's shape as conf/model/ states it, without its checkpoint (random weights, same bytes)."""
-    fields = yaml.safe_load((config_dir() / "model" / "smollm2_135m.yaml").read_text())
-    return dataclasses.replace(ModelConfig(**fields), checkpoint=None)
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, smollm2_shape
 
 
 SHAPES = {"heavy": lambda: (POINTS["heavy"].shape, POINTS["heavy"].batch, POINTS["heavy"].ctx),
