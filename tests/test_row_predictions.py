@@ -87,7 +87,7 @@ def test_the_upgrader_adds_every_column_of_today_typed():
 def test_rows_before_the_fitted_threads_ran_every_step_at_their_threads():
     """Version 3 rows: a cache's timed steps ran none at fewer threads; an engine's (its own pool) and a
     row that timed nothing say nothing."""
-    old = pd.DataFrame({"schema_version": [3, 3, 3], "decode_steps_timed": [16, 16, None],
+    old = pd.DataFrame({"schema_version": [3, 3, 3], "decode_step_s": [0.02, 0.02, None],
                         "engine": [None, "llama.cpp", None]})
     new = upgrade(old)
     assert list(new["decode_steps_fewer_threads"].astype(object).where(new["decode_steps_fewer_threads"].notna(),

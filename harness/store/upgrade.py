@@ -61,7 +61,7 @@ def _to_version_4(rows: pd.DataFrame, old: pd.Series) -> None:
     count was adapted."""
     rows.loc[old & rows["timing_adapt_threads"].isna(), "timing_adapt_threads"] = False
     eager = rows["compile"].isna() | rows["compile"].eq("none")
-    rows.loc[old & rows["decode_steps_timed"].notna() & rows["engine"].isna() & eager, "decode_steps_fewer_threads"] = 0
+    rows.loc[old & rows["decode_step_s"].notna() & rows["engine"].isna() & eager, "decode_steps_fewer_threads"] = 0
 
 
 STEPS = {0: _to_version_1, 1: _to_version_2, 2: _to_version_3, 3: _to_version_4}  # version -> the function bringing its rows to the next version
