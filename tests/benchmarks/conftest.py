@@ -57,6 +57,16 @@ POINTS = {
 PREFILL = (LIGHT_MODEL, 1, 256)  # shape, batch, prompt tokens of the prefill benchmark
 
 
+def filled_session(strategy, model, batch: int, ctx: int, room: int):
+    """A session of `strategy` on `model` holding `ctx` tokens of seeded random K/V per sequence (a step's
+    time does not depend on the values), with `room` tokens more to step into, and the [B] token its
+    steps decode: what every timed comparison of caches at a point starts from."""
+    session = strategy.new_session(model, batch, ctx + room)
+    generator = torch.Generator().manual_seed(SEED)
+    session.fill_random(ctx, generator)
+    return session, torch.randint(model.cfg.vocab_size, (batch,), generator=generator)  # [B]
+
+
 def smollm2_shape() -> ModelConfig:
     """SmolLM2-135M's shape as conf/model/ states it, without its checkpoint (random weights, same bytes)."""
     fields = yaml.safe_load((config_dir() / "model" / "smollm2_135m.yaml").read_text())

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from harness.measure.rounds import RoundsOptions, time_rounds
 from harness.model import build_model
 from harness.run.plan import plan
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, smollm2_shape
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, filled_session, smollm2_shape
 
 
 SHAPES = {"heavy": lambda: (POINTS["heavy"].shape, POINTS["heavy"].batch, POINTS["heavy"].ctx),
@@ -58,10 +58,7 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.members:
             strategy = strategy_of(name)
-            session = strategy.new_session(model, batch, ctx + 2 * args.rounds + args.steps + 8)
-            generator = torch.Generator().manual_seed(SEED)
-            session.fill_random(ctx, generator)
-            token = torch.randint(shape.vocab_size, (batch,), generator=generator)
+            session, token = filled_session(strategy, model, batch, ctx, 2 * args.rounds + args.steps + 8)
             sessions[name] = (session, token, strategy.kernel(torch.device("cpu"), DTYPE, shape))
         rounds = time_rounds({name: (lambda s=s, t=t: s.step(t)) for name, (s, t, _) in sessions.items()},
                              RoundsOptions(rounds=args.rounds, reference=args.members[0]))

@@ -30,7 +30,7 @@ from harness.analysis import analytic
 from harness.measure.rounds import RoundsOptions, time_rounds
 from strategies.caches.contiguous import ContiguousStrategy
 from strategies.caches.think import ThinKStrategy
-from tests.benchmarks.conftest import DTYPE, POINTS, SEED, BenchPoint, smollm2_shape
+from tests.benchmarks.conftest import DTYPE, POINTS, BenchPoint, filled_session, smollm2_shape
 from tests.test_eviction import variant
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
@@ -67,10 +67,7 @@ def ratios(request, model_for, same_run_roofs):
     steps = {}
     for name, strategy in members.items():
         strategy.kernel(torch.device("cpu"), DTYPE, point.shape)  # raises where it cannot run
-        session = strategy.new_session(model, point.batch, point.ctx + ROUNDS + 2)
-        generator = torch.Generator().manual_seed(SEED)
-        session.fill_random(point.ctx, generator)
-        token = torch.randint(point.shape.vocab_size, (point.batch,), generator=generator)
+        session, token = filled_session(strategy, model, point.batch, point.ctx, ROUNDS + 2)
         steps[name] = lambda s=session, t=token: s.step(t)
     rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS))
     medians = rounds.medians()

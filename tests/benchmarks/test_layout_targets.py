@@ -39,7 +39,7 @@ from strategies.caches.contiguous import ContiguousStrategy
 from strategies.caches.dynamic import DynamicStrategy
 from strategies.caches.paged import PagedStrategy
 from strategies.caches.static_full import StaticFullStrategy
-from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl
+from tests.benchmarks.conftest import DTYPE, MATMUL, POINTS, SEED, MemoryControl, filled_session
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -89,15 +89,12 @@ def measure_layouts(hugepages: bool) -> dict:
         use_hugepages()
     with torch.inference_mode():
         model = build_model(POINT.shape, torch.device("cpu"), DTYPE, SEED, MATMUL, batch_hint=POINT.batch)
-        kernels, token = {}, None
+        kernels = {}
         for name, strategy in layouts().items():
             if strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape) is None:
                 continue
-            session = strategy.new_session(model, POINT.batch, POINT.ctx + ROUNDS + 2)
-            generator = torch.Generator().manual_seed(SEED)
-            session.fill_random(POINT.ctx, generator)
-            token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
-            kernels[name] = lambda s=session: s.step(token)
+            session, token = filled_session(strategy, model, POINT.batch, POINT.ctx, ROUNDS + 2)
+            kernels[name] = lambda s=session, t=token: s.step(t)
         copy, memory = CopyKernel(), MemoryControl()
         kernels["copy"], kernels["memory_control"] = copy, memory
         rounds = time_rounds(kernels, RoundsOptions(rounds=ROUNDS, reference="contiguous"))
