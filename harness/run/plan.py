@@ -214,7 +214,6 @@ class _CommandLine:
     elsewhere: bool  # a launcher runs the groups' jobs on other hosts
     in_process: bool  # the groups' jobs run in this process (no launcher, or Hydra's basic one)
     launcher: str | None  # the launcher's class (hydra.launcher._target_)
-    as_chosen: dict = field(default_factory=lambda: _AS_CHOSEN)  # strategy options as each option's file gives them (run.variants)
 
 
 def _command_line(argv: list[str]) -> _CommandLine:
@@ -297,7 +296,7 @@ def _plan_point(overrides: list[str], command: _CommandLine, cuda_available) -> 
         cfg = command.base if not command.multirun else compose_config(overrides, with_hydra=True)
     except StrategyOptionError as error:  # composed with another strategy of the sweep before
         raise _in_a_sweep(error) from None
-    variant = variant_of(cfg, overrides, lambda listed: compose_config(listed, with_hydra=False), command.as_chosen)
+    variant = variant_of(cfg, overrides, lambda listed: compose_config(listed, with_hydra=False), _AS_CHOSEN)
     with open_dict(cfg):  # a point's config is the one Hydra hands its group's job: without Hydra's node
         del cfg["hydra"]
     if str(cfg.results_dir) != str(command.base.results_dir):
