@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from harness.analysis import analytic
-from harness.measure.accuracy import teacher_forced
+from harness.measure.accuracy import Windows, reference_pass, teacher_forced
 from harness.measure.rounds import RoundsOptions, time_rounds
 from strategies.caches.contiguous import ContiguousStrategy
 from strategies.caches.quantized import QuantizedStrategy
-from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED
+from tests.benchmarks.conftest import DTYPE, LIGHT_MODEL, POINTS, SEED, filled_session
 
 pytestmark = pytest.mark.target  # opt-in (`pytest -m target`): targets, not yet all met on every CPU (docs/benchmarking.md)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
@@ -36,10 +37,7 @@ def step_medians(model_for):
     steps = {}
     for name, strategy in CACHES.items():
         strategy.kernel(torch.device("cpu"), DTYPE, POINT.shape)
-        session = strategy.new_session(model, POINT.batch, POINT.ctx + ROUNDS + 2)
-        generator = torch.Generator().manual_seed(SEED)
-        session.fill_random(POINT.ctx, generator)
-        token = torch.randint(POINT.shape.vocab_size, (POINT.batch,), generator=generator)
+        session, token = filled_session(strategy, model, POINT.batch, POINT.ctx, ROUNDS + 2)
         steps[name] = lambda s=session, t=token: s.step(t)
     rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS))
     medians, contention = rounds.medians(), rounds.contention
@@ -62,7 +60,9 @@ def test_int8_keeps_the_greedy_tokens(model_for):
     # 4 sequences x 64 steps: 256 argmax comparisons, so one flip moves agreement by 0.004, not 0.016
     model = model_for(LIGHT_MODEL, 4)
     prompt = torch.randint(LIGHT_MODEL.vocab_size, (4, 64), generator=torch.Generator().manual_seed(SEED))
-    got = teacher_forced(QuantizedStrategy(format="int8"), ContiguousStrategy(backend="sdpa"), model, prompt, 64)
+    windows = Windows(prompts=prompt, fed=None, targets=None, scored=np.ones((4, 64), dtype=bool))  # greedy, all scored
+    exact = reference_pass(ContiguousStrategy(backend="sdpa"), model, windows, chunk=4)
+    got = teacher_forced(QuantizedStrategy(format="int8"), exact, model, windows, chunk=4)
     print(f"\nint8 on {LIGHT_MODEL.name}, batch 4, prompt 64, 64 teacher-forced steps: top-1 {got['top1_agreement']:.4f}, "
           f"mean KL {got['logit_kl_mean']:.3g} nats, max |logit error| {got['logit_max_abs_error']:.3g}")
     assert got["top1_agreement"] >= 0.99
