@@ -94,6 +94,7 @@ def test_others_fraction_sees_busy_processes():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # takes every CPU: alone, so that no other test is timed beside it
 def test_a_point_timed_beside_busy_processes_is_noisy(tmp_path):
     processes = _busy(os.cpu_count())
     try:

@@ -20,6 +20,8 @@ def test_calibration_is_stored_with_its_timestamp(tiny_sweep):
 
 
 @pytest.mark.slow  # two more runs through the CLI, one calibrating again
+# Alone: the session sweep's record must be stored quiet, or a quiet machine now measures it again.
+@pytest.mark.serial
 def test_calibration_is_reused_until_forced(tiny_sweep, tmp_path):
     results = copy_sweep(tiny_sweep, tmp_path / "results")
     path = records.record_path(results, "cpu", "float32")

@@ -95,6 +95,7 @@ def test_a_batch_beyond_the_engines_sequences_is_a_skipped_row(model_file):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a paired ratio: another process on the CPUs makes it skip as busy
 def test_an_aa_pair_of_one_llamacpp_member_reads_one(model_file):
     """Two identical llama.cpp members in one group: if its threads spun while the other ran, the
     second of each pair would pay for it; the ratio's interval holds 1."""

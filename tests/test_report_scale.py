@@ -141,6 +141,7 @@ FILES = 1000  # row files the loader and Arrow read
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # two reads timed against each other: another process on the CPUs makes it skip
 def test_loading_a_thousand_row_files_costs_little_beyond_arrows_own_read_of_them(tmp_path):
     """The loader over 1,000 files (read, upgraded, deduplicated, predicted) against one pyarrow dataset
     read of the same files, timed in the same run; the report over them then builds (its plotting
