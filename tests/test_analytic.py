@@ -59,6 +59,53 @@ def test_generate_flops_closed_form_equals_the_sum_of_steps(layout, batch, promp
     assert analytic.generate_flops(HAND, batch, prompt, steps, layout) == by_step
 
 
+def test_phases_run_one_after_the_other_each_at_its_roof():
+    """Worked by hand at a roof of 100 FLOP/s and 10 B/s: matmuls of 500 FLOPs over 20 B take 5 s
+    (compute), attention of 50 FLOPs over 40 B takes 4 s (memory). In sequence: 9 s; one max over the
+    whole step would say max(5.5, 6) = 6 s, the two terms summed 11.5 s."""
+    roof = Roof(flops_per_s=100.0, bytes_per_s=10.0)
+    phases = (analytic.Phase(500, 20), analytic.Phase(50, 40))
+    assert analytic.phased_time(phases, roof) == 9.0
+    assert analytic.phased_bound(phases, roof) == "compute"  # 5 s waiting on FLOPs, 4 s on bytes
+    assert analytic.phased_bound((analytic.Phase(500, 20), analytic.Phase(50, 60)), roof) == "memory"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("batch,context", [(1, 5), (16, 3000)])
+def test_a_decode_step_is_its_matmuls_then_its_attention(layout, batch, context):
+    """The two phases hold every FLOP and byte of the step: the matmuls the weights' bytes and the
+    matmuls' FLOPs (hand: 2 * 184 per token), attention every cache byte and the rest of the FLOPs. The
+    step's time is theirs summed: at least one max over the whole step, at most the two terms summed."""
+    shape = LLAMA3_70B if batch > 8 else HAND
+    matmuls, attention = analytic.decode_step_phases(shape, "bfloat16", batch, context, layout)
+    parts = analytic.decode_step_bytes(shape, "bfloat16", batch, context, layout)
+    flops = analytic.decode_step_flops(shape, batch, context, layout)
+    assert matmuls.bytes == parts["weights"] and matmuls.bytes + attention.bytes == parts["total"]
+    assert matmuls.flops + attention.flops == flops
+    if shape is HAND:
+        assert matmuls.flops == batch * 2 * 184 * (1 if layout is not None else context + 1) - (
+            0 if layout is not None else batch * 2 * 40 * context)  # the head runs on the last position only
+    seconds = analytic.decode_step_time(shape, "bfloat16", batch, context, H100, layout)
+    assert seconds == analytic.phased_time((matmuls, attention), H100)
+    whole = analytic.roofline_time(flops, parts["total"], H100)
+    both_terms = flops / H100.flops_per_s + parts["total"] / H100.bytes_per_s
+    assert whole * (1 - 1e-12) <= seconds <= both_terms * (1 + 1e-12)  # equal where one phase dominates: rounding
+
+
+def test_a_batch16_step_whose_matmuls_are_compute_bound_waits_for_its_cache_after_them():
+    """70B at batch 16, 4096 tokens each, at a ridge of 12 FLOP/B: the matmuls are compute-bound (2
+    FLOPs per weight per token, 16 tokens, 2 bytes a weight: 16 FLOP/B), attention memory-bound (4
+    FLOPs per head dim per query head, 2 x 2 bytes per head dim per KV head, 8 query heads per KV head:
+    8 FLOP/B). The step takes their times summed, longer than one max over the step."""
+    roof = Roof(flops_per_s=600e9, bytes_per_s=50e9)
+    matmuls, attention = analytic.decode_step_phases(LLAMA3_70B, "bfloat16", 16, 4096)
+    assert analytic.bound(matmuls.flops, matmuls.bytes, roof) == "compute"
+    assert analytic.bound(attention.flops, attention.bytes, roof) == "memory"
+    seconds = analytic.decode_step_time(LLAMA3_70B, "bfloat16", 16, 4096, roof)
+    assert seconds == pytest.approx(matmuls.flops / roof.flops_per_s + attention.bytes / roof.bytes_per_s)
+    assert seconds > analytic.roofline_time(matmuls.flops + attention.flops, matmuls.bytes + attention.bytes, roof)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("batch,prompt,steps", [(1, 1, 1), (2, 7, 5), (8, 3000, 37), (1, 100, 300), (32, 1, 999)])
 @pytest.mark.parametrize("roof", [analytic.Roof(1e9, 1e9), analytic.Roof(1e11, 3e10), analytic.Roof(1e15, 1e9)])
@@ -75,6 +122,12 @@ def test_generate_time_closed_form_equals_the_sum_of_step_roofline_times(layout,
     mean_bytes = sum(analytic.decode_step_bytes(shape, "bfloat16", batch, prompt + i, layout, prompt + steps)["total"]
                      for i in range(steps)) / steps
     assert mean.bytes == pytest.approx(mean_bytes, rel=1e-12) and mean.seconds == pytest.approx(closed / steps)
+    matmuls, attention = mean.phases  # the mean step's phases hold its FLOPs and bytes
+    assert matmuls.bytes + attention.bytes == pytest.approx(mean.bytes, rel=1e-12)
+    assert matmuls.flops + attention.flops == pytest.approx(mean.flops, rel=1e-12)
+    mean_matmuls = sum(analytic.decode_step_phases(shape, "bfloat16", batch, prompt + i, layout, prompt + steps)[0].flops
+                       for i in range(steps)) / steps
+    assert matmuls.flops == pytest.approx(mean_matmuls, rel=1e-12)
 
 
 def test_huge_sizes_are_answered_in_closed_form_at_once():

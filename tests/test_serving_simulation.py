@@ -36,9 +36,16 @@ LAYOUTS = {"contiguous": CONTIGUOUS, "paged16": CacheLayout(block_size=16),
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("batch,context", [(1, 1), (3, 50), (8, 200)])
 def test_a_homogeneous_iteration_is_the_analytic_decode_step(layout, batch, context):
-    work = IterationModel(SMALL, "float32", layout).work([context] * batch, [])
+    model = IterationModel(SMALL, "float32", layout)
+    work = model.work([context] * batch, [])
     assert work.flops == analytic.decode_step_flops(SMALL, batch, context, layout)
     assert work.bytes == pytest.approx(analytic.decode_step_bytes(SMALL, "float32", batch, context, layout)["total"], rel=1e-12)
+    # phase by phase too, so its time is the step's (a ridge between the phases' intensities)
+    matmuls, attention = analytic.decode_step_phases(SMALL, "float32", batch, context, layout)
+    assert work.matmuls.flops == matmuls.flops and work.attention.flops == attention.flops
+    roof = analytic.Roof(flops_per_s=2e11, bytes_per_s=5e10)
+    assert model.seconds([context] * batch, [], roof) == pytest.approx(
+        analytic.decode_step_time(SMALL, "float32", batch, context, roof, layout), rel=1e-12)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))

@@ -8,7 +8,9 @@ Conventions (one each, used everywhere in the harness):
 - Bytes count weights and K/V cache entries only; activations are not counted.
 - FLOPs: 2 per multiply-add, matmuls and attention's QK^T/PV only; see the FLOPs section below for the
   exact list and for how positions are numbered (decode step i of a p-token prompt sits at context p+i).
-- Roofline time of a step = max(FLOPs / peak FLOP/s, bytes / bandwidth); totals sum per-step times.
+- Roofline time of a step = the sum over its two phases, the matmuls with the weights and attention
+  over the cache, of max(FLOPs / peak FLOP/s, bytes / bandwidth) (harness.analysis.roofline says
+  why); totals sum per-step times.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from typing import Optional
 
 from harness.analysis import cache_terms
 from harness.analysis.cache_terms import DTYPE_BYTES, Shape, dtype_bytes  # noqa: F401 (re-exported)
+from harness.analysis.roofline import (Phase, Roof, bound, intensity, phased_bound,  # noqa: F401 (re-exported)
+                                       phased_time, roofline_time, summed_max)
 from harness.config.layout import CONTIGUOUS, CacheLayout
 
 Layout = Optional[CacheLayout]  # how a strategy stores K/V; None: no cache (every step recomputes)
@@ -144,12 +148,18 @@ def attention_flops_per_pair(shape: Shape) -> int:
     return 4 * shape.n_layers * shape.n_heads * shape.resolved_head_dim
 
 
-def forward_flops(shape: Shape, batch: int, start: int, new: int) -> int:
-    """FLOPs of one forward pass of `new` tokens at positions start.. over `start` cached tokens."""
+def forward_matmul_flops(shape: Shape, batch: int, new: int) -> int:
+    """FLOPs of the matmuls with the weights in one forward pass of `new` tokens: every block's for each
+    token, the output head's for the last position only."""
     per_layer_matmuls = 2 * new * (matmul_params(shape) - shape.vocab_size * shape.d_model)
     head = 2 * shape.vocab_size * shape.d_model  # last position only
+    return batch * (per_layer_matmuls + head)
+
+
+def forward_flops(shape: Shape, batch: int, start: int, new: int) -> int:
+    """FLOPs of one forward pass of `new` tokens at positions start.. over `start` cached tokens."""
     attention = attention_flops_per_pair(shape) * causal_pairs(start, new)
-    return batch * (per_layer_matmuls + head + attention)
+    return forward_matmul_flops(shape, batch, new) + batch * attention
 
 
 def decode_step_flops(shape: Shape, batch: int, context: int, layout: Layout = CONTIGUOUS,
@@ -160,6 +170,12 @@ def decode_step_flops(shape: Shape, batch: int, context: int, layout: Layout = C
         return forward_flops(shape, batch, start=0, new=context + 1)
     keys = cache_terms.attended_keys(context, max_len or context + 1, layout)
     return forward_flops(shape, batch, start=keys - 1, new=1) + batch * keys * cache_terms.scoring_flops_per_key(shape, layout)
+
+
+def decode_step_tokens(context: int, layout: Layout) -> int:
+    """Tokens one decode step runs through the weights: its one new token when cached; without a cache,
+    all c + 1 tokens."""
+    return 1 if layout is not None else context + 1
 
 
 def prefill_flops(shape: Shape, batch: int, prompt: int) -> int:
@@ -226,39 +242,20 @@ def tokens_to_match_weights(shape: Shape, dtype: str, layout: CacheLayout = CONT
 # --- Roofline ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Roof:
-    """The two ceilings of a device for one dtype."""
-
-    flops_per_s: float  # peak dense matmul FLOP/s in this dtype
-    bytes_per_s: float  # memory read bandwidth, bytes/s
-
-    @property
-    def ridge(self) -> float:
-        """FLOPs per byte above which a kernel is compute bound (peak FLOP/s / bandwidth)."""
-        return self.flops_per_s / self.bytes_per_s
-
-
-def intensity(flops: float, bytes_moved: float) -> float:
-    """Arithmetic intensity, FLOPs per byte moved."""
-    return flops / bytes_moved
-
-
-def roofline_time(flops: float, bytes_moved: float, roof: Roof) -> float:
-    """Seconds at the roof: max(FLOPs / peak FLOP/s, bytes / bandwidth). A lower bound, never a forecast
-    of overheads (launches, Python, cache misses beyond the byte count)."""
-    return max(flops / roof.flops_per_s, bytes_moved / roof.bytes_per_s)
-
-
-def bound(flops: float, bytes_moved: float, roof: Roof) -> str:
-    """'memory' when the bytes take longer than the FLOPs at the roof, else 'compute'."""
-    return "memory" if bytes_moved / roof.bytes_per_s >= flops / roof.flops_per_s else "compute"
+def decode_step_phases(shape: Shape, dtype: str, batch: int, context: int, layout: Layout = CONTIGUOUS,
+                       max_len: Optional[int] = None) -> tuple[Phase, Phase]:
+    """The step's two phases: the matmuls (their FLOPs, the weights' bytes), then attention (the rest
+    of its FLOPs: QK^T, PV and an evicting layout's scoring; every cache byte)."""
+    parts = decode_step_bytes(shape, dtype, batch, context, layout, max_len)
+    matmul_flops = forward_matmul_flops(shape, batch, decode_step_tokens(context, layout))
+    attention_flops = decode_step_flops(shape, batch, context, layout, max_len) - matmul_flops
+    return Phase(matmul_flops, parts["weights"]), Phase(attention_flops, parts["total"] - parts["weights"])
 
 
 def decode_step_time(shape: Shape, dtype: str, batch: int, context: int, roof: Roof, layout: Layout = CONTIGUOUS,
                      max_len: Optional[int] = None) -> float:
-    flops = decode_step_flops(shape, batch, context, layout, max_len)
-    return roofline_time(flops, decode_step_bytes(shape, dtype, batch, context, layout, max_len)["total"], roof)
+    """Roofline seconds of one decode step: each phase at its own roof, summed."""
+    return phased_time(decode_step_phases(shape, dtype, batch, context, layout, max_len), roof)
 
 
 @dataclass(frozen=True)
@@ -267,7 +264,8 @@ class MeanStep:
 
     bytes: float  # bytes moved per step
     flops: float  # FLOPs per step
-    seconds: Optional[float]  # roofline seconds per step (each step at its own roof); None without a roof
+    seconds: Optional[float]  # roofline seconds per step (each step's phases at their roofs); None without a roof
+    phases: tuple[Phase, Phase]  # the mean step's matmuls and attention (decode_step_phases), summing to the above
 
 
 def mean_decode_step(shape: Shape, dtype: str, batch: int, ctx: int, steps: int, layout: Layout = CONTIGUOUS,
@@ -276,6 +274,9 @@ def mean_decode_step(shape: Shape, dtype: str, batch: int, ctx: int, steps: int,
     tests all call this. Bytes and FLOPs are exact means in closed form; the time is each step's
     roofline time summed (a compute-bound step cannot lend idle bandwidth to the next) in closed form.
     A preallocated cache spans ctx + steps tokens."""
+    # a step's matmul FLOPs are a line in its index (constant when cached), so their mean is the ends' mean
+    ends = (forward_matmul_flops(shape, batch, decode_step_tokens(c, layout)) for c in (ctx, ctx + steps - 1))
+    matmul_flops, weights = sum(ends) / 2, decode_weight_bytes(shape, dtype, batch)
     flops = generate_flops(shape, batch, ctx, steps, layout) / steps
     summed_bytes = 0.0
     for first, count in _budget_pieces(ctx, steps, layout):
@@ -283,7 +284,8 @@ def mean_decode_step(shape: Shape, dtype: str, batch: int, ctx: int, steps: int,
         summed_bytes += count * (first_bytes + per_step * (count - 1) / 2)
     mean_bytes = summed_bytes / steps
     seconds = None if roof is None else generate_time(shape, dtype, batch, ctx, steps, roof, layout) / steps
-    return MeanStep(bytes=mean_bytes, flops=flops, seconds=seconds)
+    phases = Phase(matmul_flops, weights), Phase(flops - matmul_flops, mean_bytes - weights)
+    return MeanStep(bytes=mean_bytes, flops=flops, seconds=seconds, phases=phases)
 
 
 def _budget_pieces(prompt: int, steps: int, layout: Layout) -> list[tuple[int, int]]:
@@ -312,38 +314,6 @@ def _step_bytes_line(shape: Shape, dtype: str, batch: int, prompt: int, steps: i
     return first, second - first
 
 
-def _line_wins(c2: float, c1: float, c0: float, n: int) -> tuple[int, int]:
-    """The integers [lo, hi) of 0..n-1 where c2 i^2 + c1 i + c0 < 0 (c2 >= 0: one interval at most)."""
-    def clamp(i: float) -> int:
-        return int(min(max(i, 0), n))
-
-    if c2 == 0:
-        if c1 == 0:
-            return (0, n) if c0 < 0 else (0, 0)
-        root = -c0 / c1
-        return (0, clamp(math.ceil(root))) if c1 > 0 else (clamp(math.floor(root) + 1), n)
-    disc = c1 * c1 - 4 * c2 * c0
-    if disc <= 0:
-        return 0, 0
-    r1, r2 = (-c1 - math.sqrt(disc)) / (2 * c2), (-c1 + math.sqrt(disc)) / (2 * c2)
-    lo, hi = clamp(math.floor(r1) + 1), clamp(math.ceil(r2))
-    return (lo, hi) if hi > lo else (0, 0)
-
-
-def _summed_max(a0: float, a1: float, a2: float, b0: float, b1: float, n: int) -> float:
-    """sum over i = 0..n-1 of max(a0 + a1 i + a2 i^2, b0 + b1 i) for a2 >= 0, in closed form."""
-    def quadratic(lo: int, hi: int) -> float:  # sum over the integers lo..hi-1
-        s1 = (hi * (hi - 1) - lo * (lo - 1)) / 2
-        s2 = ((hi - 1) * hi * (2 * hi - 1) - (lo - 1) * lo * (2 * lo - 1)) / 6
-        return a0 * (hi - lo) + a1 * s1 + a2 * s2
-
-    def line(lo: int, hi: int) -> float:
-        return b0 * (hi - lo) + b1 * (hi * (hi - 1) - lo * (lo - 1)) / 2
-
-    lo, hi = _line_wins(a2, a1 - b1, a0 - b0, n)
-    return quadratic(0, lo) + line(lo, hi) + quadratic(hi, n)
-
-
 def generate_time(shape: Shape, dtype: str, batch: int, prompt: int, steps: int, roof: Roof,
                   layout: Layout = CONTIGUOUS) -> float:
     """Roofline seconds of the `steps` decode steps: each step at its own roof, then summed (a step that
@@ -355,22 +325,41 @@ def generate_time(shape: Shape, dtype: str, batch: int, prompt: int, steps: int,
 
 
 def _piece_time(shape: Shape, dtype: str, batch: int, prompt: int, steps: int, roof: Roof, layout: Layout) -> float:
+    """The steps' summed roofline time, phase by phase (decode_step_phases): the matmuls' FLOPs are a
+    line in the step's index and their bytes (the weights) constant; attention's FLOPs a polynomial of
+    degree <= 2 and its bytes a line."""
     max_len = prompt + steps
 
-    def flops(i: int) -> float:
-        return decode_step_flops(shape, batch, prompt + i, layout, max_len)
+    def matmul_flops(i: int) -> float:
+        return forward_matmul_flops(shape, batch, decode_step_tokens(prompt + i, layout))
 
-    f0, f1, f2 = flops(0), flops(1), flops(2)
+    def attention_flops(i: int) -> float:
+        return decode_step_flops(shape, batch, prompt + i, layout, max_len) - matmul_flops(i)
+
+    f0, f1, f2 = attention_flops(0), attention_flops(1), attention_flops(2)
     a2 = (f2 - 2 * f1 + f0) / 2
     a1 = f1 - f0 - a2
+    weights = decode_weight_bytes(shape, dtype, batch)
     b0, b1 = _step_bytes_line(shape, dtype, batch, prompt, steps, layout)
     per_flop, per_byte = 1 / roof.flops_per_s, 1 / roof.bytes_per_s
-    return _summed_max(f0 * per_flop, a1 * per_flop, a2 * per_flop, b0 * per_byte, b1 * per_byte, steps)
+    m0, m1 = matmul_flops(0), matmul_flops(1)
+    matmuls = summed_max(m0 * per_flop, (m1 - m0) * per_flop, 0.0, weights * per_byte, 0.0, steps)
+    attention = summed_max(f0 * per_flop, a1 * per_flop, a2 * per_flop, (b0 - weights) * per_byte, b1 * per_byte, steps)
+    return matmuls + attention
+
+
+def prefill_phases(shape: Shape, dtype: str, batch: int, prompt: int, layout: Layout = CONTIGUOUS) -> tuple[Phase, Phase]:
+    """The prompt's forward pass in two phases: its matmuls with the weights, then its attention and the
+    cache entries it writes."""
+    parts = prefill_bytes(shape, dtype, batch, prompt, layout)
+    matmul_flops = forward_matmul_flops(shape, batch, prompt)
+    return (Phase(matmul_flops, parts["weights"]),
+            Phase(prefill_flops(shape, batch, prompt) - matmul_flops, parts["total"] - parts["weights"]))
 
 
 def prefill_time(shape: Shape, dtype: str, batch: int, prompt: int, roof: Roof, layout: Layout = CONTIGUOUS) -> float:
-    flops = prefill_flops(shape, batch, prompt)
-    return roofline_time(flops, prefill_bytes(shape, dtype, batch, prompt, layout)["total"], roof)
+    """Roofline seconds of the prompt's forward pass, each phase at its own roof."""
+    return phased_time(prefill_phases(shape, dtype, batch, prompt, layout), roof)
 
 
 def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, roof: Roof,
@@ -379,6 +368,7 @@ def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, 
     max_len = ctx + decode_tokens
     step_bytes = decode_step_bytes(shape, dtype, batch, ctx, layout, max_len)["total"]
     step_flops = decode_step_flops(shape, batch, ctx, layout, max_len)
+    step_phases = decode_step_phases(shape, dtype, batch, ctx, layout, max_len)
     per_token = kv_bytes_per_token(shape, dtype, layout) if layout is not None else 0  # no cache: nothing per token
     return {
         "params": params(shape),
@@ -393,8 +383,8 @@ def summary(shape: Shape, dtype: str, batch: int, ctx: int, decode_tokens: int, 
         "flops_prefill": prefill_flops(shape, batch, ctx),
         "bytes_decode_step": step_bytes,
         "bytes_decode_step_no_cache": decode_step_bytes(shape, dtype, batch, ctx, None)["total"],
-        "decode_step_s": roofline_time(step_flops, step_bytes, roof),
-        "decode_step_bound": bound(step_flops, step_bytes, roof),
+        "decode_step_s": phased_time(step_phases, roof),
+        "decode_step_bound": phased_bound(step_phases, roof),
         "generate_s_cached": generate_time(shape, dtype, batch, ctx, decode_tokens, roof, layout),
         "generate_s_no_cache": generate_time(shape, dtype, batch, ctx, decode_tokens, roof, None),
         "prefill_s": prefill_time(shape, dtype, batch, ctx, roof, layout),

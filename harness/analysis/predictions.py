@@ -2,12 +2,14 @@
 columns (harness.run.row), and the loader's one re-prediction step (harness.analysis.results,
 `fallback_hardware` or rows written without them) calls the same function at a datasheet's roof.
 
-The predicted decode step is the mean over the timed steps of each step's roofline time, the larger of
-its bytes over the read roof and its FLOPs over the FLOP roof (analytic.mean_decode_step). It is set
-against `decode_step_s`, the mean of those same steps, so it must be a mean of steps: a step bound by
-compute cannot lend its idle bandwidth to the next one, which makes the roofline time of the mean
-bytes and FLOPs (max of means) too low wherever the steps cross the ridge, and the sum of bytes time
-and FLOPs time (no overlap at all) an upper bound rather than a prediction.
+The predicted decode step is the mean over the timed steps of each step's roofline time: for each of
+its two phases, the matmuls with the weights and attention over the cache, the larger of its bytes over
+the read roof and its FLOPs over the FLOP roof, summed (analytic.mean_decode_step; why phases:
+harness.analysis.roofline). It is set against `decode_step_s`, the mean of those same steps, so it
+must be a mean of steps: a step bound by compute cannot lend its idle bandwidth to the next one, which
+makes the roofline time of the mean bytes and FLOPs (max of means) too low wherever the steps cross
+the ridge, and the sum of bytes time and FLOPs time (no overlap at all, not even inside one phase) an
+upper bound rather than a prediction.
 """
 from __future__ import annotations
 
@@ -51,5 +53,5 @@ def predict(shape, dtype: str, batch: int, ctx: int, decode_tokens: int, layout,
     if roof is not None:
         columns.update(predicted_step_s=step.seconds,
                        predicted_prefill_s=analytic.prefill_time(shape, dtype, batch, ctx, roof, layout),
-                       roof_bound=analytic.bound(step.flops, step.bytes, roof))
+                       roof_bound=analytic.phased_bound(step.phases, roof))
     return columns

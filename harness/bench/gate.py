@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.analysis.analytic import Roof, roofline_time
+from harness.analysis.roofline import Phase, Roof, phased_time
 from harness.files import publish
 
 BASELINE = Path(__file__).with_name("baseline.json")  # package data: the code that reads it ships it
@@ -127,6 +127,14 @@ def steady_time(run: dict[str, Bench], bench: Bench) -> float:
     return bench.median * same[0].median / bench.extra["control_median_s"]
 
 
+def predicted_time(bench: Bench, roof: Roof) -> float:
+    """A benchmark's roofline time at the run's roof: its phases' (extra_info phases, [FLOPs, bytes] each:
+    the matmuls, then attention) each at the roof, summed; one phase of its FLOPs and bytes where a run
+    older than the phases recorded none."""
+    phases = bench.extra.get("phases") or [[bench.extra["flops"], bench.extra["bytes"]]]
+    return phased_time((Phase(flops, moved) for flops, moved in phases), roof)
+
+
 def facts(run: dict[str, Bench]) -> dict[str, float]:
     """The run's dimensionless facts: speedup fraction per point, bandwidth fraction per contiguous step,
     from step times brought to the control benchmarks' conditions (steady_time)."""
@@ -143,8 +151,7 @@ def facts(run: dict[str, Bench]) -> dict[str, float]:
         recompute = references.get(point)
         if recompute is not None:
             measured = steady_time(run, recompute) / cached_s
-            predicted = (roofline_time(recompute.extra["flops"], recompute.extra["bytes"], roof)
-                         / roofline_time(cached.extra["flops"], cached.extra["bytes"], roof))
+            predicted = predicted_time(recompute, roof) / predicted_time(cached, roof)
             found[f"speedup_fraction[{point}-{strategy}]"] = measured / predicted
     return found
 

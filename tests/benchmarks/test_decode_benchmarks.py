@@ -20,11 +20,13 @@ pytestmark = pytest.mark.benchmark
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 
 
-def record_prediction(benchmark, roof: analytic.Roof, flops: int, bytes_moved: int) -> None:
-    """bytes, FLOPs, and the roofline time at this run's roofs."""
-    benchmark.extra_info.update(bytes=bytes_moved, flops=flops, roof_bandwidth_Bps=roof.bytes_per_s,
-                                roof_flops=roof.flops_per_s, predicted_s=analytic.roofline_time(flops, bytes_moved, roof),
-                                predicted_bound=analytic.bound(flops, bytes_moved, roof))
+def record_prediction(benchmark, roof: analytic.Roof, phases: tuple[analytic.Phase, ...]) -> None:
+    """bytes, FLOPs, each phase's (the matmuls, then attention), and the roofline time at this run's roofs."""
+    benchmark.extra_info.update(bytes=sum(phase.bytes for phase in phases), flops=sum(phase.flops for phase in phases),
+                                phases=[[phase.flops, phase.bytes] for phase in phases],
+                                roof_bandwidth_Bps=roof.bytes_per_s, roof_flops=roof.flops_per_s,
+                                predicted_s=analytic.phased_time(phases, roof),
+                                predicted_bound=analytic.phased_bound(phases, roof))
 
 
 def test_control_read_bandwidth(benchmark, same_run_roofs, controls):
@@ -79,7 +81,8 @@ def test_decode_step(benchmark, model_for, same_run_roofs, controls, point, stra
         cache_read_bytes=step_bytes["cache_read"],
     )
     flops = analytic.decode_step_flops(point.shape, point.batch, point.ctx, layout, point.ctx + 1)
-    record_prediction(benchmark, same_run_roofs, flops, step_bytes["total"])
+    record_prediction(benchmark, same_run_roofs,
+                      analytic.decode_step_phases(point.shape, DTYPE_NAME, point.batch, point.ctx, layout, point.ctx + 1))
     budget = 1.5 if chosen.caches_kv else 2.0  # a recompute step is slower: more time for its rounds
     with torch.inference_mode():
         _, logits = time_benchmark(benchmark, lambda: session.step(token), before=lambda: session.rewind(point.ctx),
@@ -97,7 +100,7 @@ def test_prefill(benchmark, model_for, same_run_roofs, controls):
                                 dtype=DTYPE_NAME, matmul=MATMUL)
     prefill_bytes = analytic.prefill_bytes(shape, DTYPE_NAME, batch, prompt_len)["total"]
     flops = analytic.prefill_flops(shape, batch, prompt_len)
-    record_prediction(benchmark, same_run_roofs, flops, prefill_bytes)
+    record_prediction(benchmark, same_run_roofs, analytic.prefill_phases(shape, DTYPE_NAME, batch, prompt_len))
     with torch.inference_mode():
         _, logits = time_benchmark(benchmark, lambda: session.prefill(prompt),
                                    control=control_for(controls, flops, prefill_bytes), budget_s=1.5)
