@@ -64,6 +64,24 @@ def test_a_round_times_every_callable_once_in_rotating_order_and_the_ratio_holds
     assert rounds.contention is not None and "rotating" in rounds.method
 
 
+def test_a_roof_kernel_far_slower_than_the_callables_sits_out_rounds_but_never_a_passs_first():
+    """Beside a callable of 1 ms, a 10 ms read kept to a quarter of its time: timed in round 0 (the
+    pass's first), then not until the callable has run 40 ms (round 39), then in round 50, the second
+    pass's first; its 30 ms would next need 120 ms of the callable's. Counted: the callable's calls
+    before each read (the rotation puts the read after the callable in rounds 0 and 39, before it in 50)."""
+    timer = ScriptedTimer({"a": 0.001, "roof": 0.010}, [1.0], per_round=2)
+    options = RoundsOptions(rounds=50, max_passes=2, warmup=0, roof_share=0.25)
+    rounds = time_rounds({"a": lambda: "a"}, options, roof=Roof(), timer=timer)
+    assert rounds.count == 100 and len(rounds.roof_seconds) == 3
+    assert [timer.calls[:i].count("a") for i, name in enumerate(timer.calls) if name == "roof"] == [1, 40, 50]
+    assert sum(rounds.roof_seconds) <= 0.25 * sum(rounds.seconds["a"]) + 2 * 0.010  # + each pass's first read
+    every_round = time_rounds({"a": lambda: "a"}, RoundsOptions(rounds=50, max_passes=2, warmup=0), roof=Roof(),
+                              timer=ScriptedTimer({"a": 0.001, "roof": 0.010}, [1.0], per_round=2))
+    assert len(every_round.roof_seconds) == 100  # roof_share None: every round
+    with pytest.raises(ValueError, match="roof_share"):
+        RoundsOptions(roof_share=0)
+
+
 def test_listed_order_keeps_the_order_given_and_warm_up_calls_are_not_timed():
     timer = ScriptedTimer({"control": 0.02, "step": 0.01}, [1.0], per_round=2)
     warmed = []

@@ -8,9 +8,10 @@ rounds (harness.measure.rounds, the harness's one timing engine) in which every 
 step at the round's decode position, in an order that rotates and reverses from round to round (no
 member always runs first, or always after the same other one). A pass over the `decode_tokens`
 positions is repeated (rewound, the same tokens) while another fits timing.rounds_budget_s, up to
-timing.max_passes. Each round also times the calibration's matrix-vector read
+timing.max_passes. The rounds also time the calibration's matrix-vector read
 (harness.measure.roofs.GemvRead), so every row carries the bandwidth the machine gave in its own
-window beside the calibrated best-of roof.
+window beside the calibrated best-of roof: in every round while it takes at most PROBE_SHARE of the
+members' time, and in the first round of every pass.
 
 After the rounds each member's step time gets its bootstrap interval, and each member other than the
 group's reference its round-by-round ratio to the reference with an interval
@@ -44,6 +45,11 @@ from harness.measure.threads import fitted_threads
 from harness.measure.timing import StepTimer
 from harness.model import build_model
 from harness.model.cpu_linear import KERNELS as MATMUL_KERNELS
+
+# The read probe's time in a group's rounds, at most, as a share of its members' (past each pass's first
+# round): a 256 MiB read is ~9 ms here, so it runs in every round beside a SmolLM2-sized step, while
+# beside a tiny test model's sub-millisecond steps, when it ran in every round, it took ~85% of the rounds.
+PROBE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ class _GroupRun:
         fits timing.rounds_budget_s, up to timing.max_passes. A member whose step raises leaves them."""
         first = self.request.members[0]
         options = RoundsOptions(rounds=first.decode_tokens, max_passes=first.timing.max_passes,
-                                budget_s=first.timing.rounds_budget_s, warmup=0, keep_going=True)
+                                budget_s=first.timing.rounds_budget_s, warmup=0, keep_going=True, roof_share=PROBE_SHARE)
         graphs_before = graphs_compiled()
         steps = {str(i): member.step() for i, member in enumerate(self.members) if member.live}  # named by index
         try:

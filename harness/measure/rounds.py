@@ -12,7 +12,9 @@ bootstrap intervals).
 
 A read kernel may take a slot in every round too (`roof`, e.g. harness.measure.roofs.GemvRead): the
 bandwidth the machine gave in the callables' own window, beside a best-of calibration taken minutes
-earlier. Around the rounds the engine reads the share of the CPUs other processes took (contention).
+earlier. Beside callables much faster than it, `roof_share` thins it out: it then sits out a round
+while its time so far is above that share of theirs, though never the first round of a pass. Around
+the rounds the engine reads the share of the CPUs other processes took (contention).
 
 Rounds come in passes of `RoundsOptions.rounds`; another pass is made while one more fits
 `budget_s`, up to `max_passes`, so cheap callables get more rounds and slow ones are not cut short
@@ -50,12 +52,17 @@ class RoundsOptions:
     read_contention: bool = True  # read /proc/stat around the rounds; off where the caller reads a longer window
     device: str = "cpu"  # the clock: CUDA events on cuda, perf_counter on a CPU (harness.measure.timing)
     cold_cache: bool = False  # zero a 256 MiB buffer before every timed call, outside the timed window
+    # the roof kernel sits out a round while its time so far exceeds this share of the callables' (never
+    # a pass's first round); None: it runs in every round
+    roof_share: float | None = None
 
     def __post_init__(self):
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.rounds < 1 or self.max_passes < 1 or self.warmup < 0:
             raise ValueError(f"rounds and max_passes must be >= 1 and warmup >= 0, got {self}")
+        if self.roof_share is not None and not self.roof_share > 0:
+            raise ValueError(f"roof_share must be above 0 or None, got {self.roof_share}")
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class Rounds:
     contention: float | None  # share of all cores' time other processes took during the rounds (None: not read)
     method: str  # the clock and the order, for a row's timing_method
     reference: str | None = None  # the default denominator of ratio()
-    roof_seconds: list[float] = field(default_factory=list)  # the roof kernel's time in every round
+    roof_seconds: list[float] = field(default_factory=list)  # the roof kernel's time in every round it ran in
     roof_bytes: int | None = None  # bytes the roof kernel reads a call
     roof_kernel: str | None = None  # its name (GemvRead.kernel), when it has one
     failures: dict[str, BaseException] = field(default_factory=dict)  # callables that raised (keep_going)
@@ -139,11 +146,20 @@ def time_rounds(steps: Mapping[str, Callable[[], object] | Step], options: Round
     slots: list = [*entrants, roof] if roof is not None else list(entrants)
     before = CpuTimes.now() if options.read_contention else None
     began, round_index = time.monotonic(), 0
+    timed_s = {"callables": 0.0, "roof": 0.0}  # the timed seconds of each kind of slot so far, for roof_share
     while True:
-        for _ in range(options.rounds):
+        for in_pass in range(options.rounds):
             order = range(len(slots)) if options.order == "listed" else rotation(len(slots), round_index)
             for slot in order:
-                _time_slot(slots[slot], entrants, result, options, timer)
+                entrant = slots[slot]
+                if isinstance(entrant, str):
+                    times = result.seconds[entrant]
+                    count = len(times)
+                    _time_slot(entrant, entrants, result, options, timer)
+                    timed_s["callables"] += times[-1] if len(times) > count else 0.0
+                elif not in_pass or options.roof_share is None or timed_s["roof"] <= options.roof_share * timed_s["callables"]:
+                    _time_slot(entrant, entrants, result, options, timer)
+                    timed_s["roof"] += result.roof_seconds[-1]
             round_index += 1
         result.passes += 1
         spent = time.monotonic() - began
