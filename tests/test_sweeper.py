@@ -7,6 +7,7 @@ records what it is handed."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -121,8 +122,15 @@ def test_a_launcher_elsewhere_gets_the_task_without_the_plan(tmp_path):
     assert elsewhere.groups == [] and elsewhere.context.planned == {} and jobs.context.planned  # planned again there
 
 
+# The cluster launchers' configs extend hydra-submitit-launcher's (the cluster extra; README's test command
+# leaves it out): without it they cannot compose.
+NEEDS_SUBMITIT = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                                    reason='hydra-submitit-launcher is not installed (pip install -e ".[cluster]")')
+
+
 @pytest.mark.parametrize("launcher, here, cls", [(None, True, "BasicLauncher"), ("basic", True, "BasicLauncher"),
-                                                 ("local", False, "LocalLauncher"), ("slurm", False, "SlurmLauncher")])
+                                                 pytest.param("local", False, "LocalLauncher", marks=NEEDS_SUBMITIT),
+                                                 pytest.param("slurm", False, "SlurmLauncher", marks=NEEDS_SUBMITIT)])
 def test_only_hydras_basic_launcher_runs_the_jobs_in_this_process(tmp_path, launcher, here, cls):
     chosen = [f"hydra/launcher={launcher}"] if launcher else []
     the_plan = plan([*SWEEP, *chosen, f"results_dir={tmp_path}"], cuda_available=NO_CUDA)
