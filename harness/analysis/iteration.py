@@ -45,8 +45,7 @@ class Work:
         return self.matmuls.bytes + self.attention.bytes
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(Phase(self.matmuls.flops + other.matmuls.flops, self.matmuls.bytes + other.matmuls.bytes),
-                    Phase(self.attention.flops + other.attention.flops, self.attention.bytes + other.attention.bytes))
+        return Work(self.matmuls + other.matmuls, self.attention + other.attention)
 
 
 def decode_work(shape: Shape, dtype: str, position: int, layout: Layout) -> Work:

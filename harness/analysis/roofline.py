@@ -37,6 +37,9 @@ class Phase:
     flops: float  # FLOPs of the phase
     bytes: float  # bytes it reads and writes
 
+    def __add__(self, other: "Phase") -> "Phase":
+        return Phase(self.flops + other.flops, self.bytes + other.bytes)
+
 
 def intensity(flops: float, bytes_moved: float) -> float:
     """Arithmetic intensity, FLOPs per byte moved."""
