@@ -148,6 +148,10 @@ def kernel_cases():
                 ("int8", 32, "token", 32, 2, 1, 2, 64, 250), ("int4", 32, "channel", 4, 1, 2, 2, 64, 150),
                 ("int8", 32, "channel", 48, 1, 1, 4, 96, 200), ("fp8_e4m3", 32, "channel", 12, 1, 2, 5, 32, 100),
                 ("int4", 32, "token", 0, 1, 1, 32, 64, 40)]
+    # Groups of 3 (SmolLM2's 9 query heads over 3 KV heads) and 9: key tiles of 3 heads x 5 rows, their
+    # partial tiles, value slices of 3 heads; token and channel scales, with and without a window.
+    yield from [("int4", 32, "token", 0, 2, 3, 3, 64, 133), ("int8", 32, "token", 8, 1, 1, 9, 64, 61),
+                ("fp8_e4m3", 32, "channel", 16, 1, 2, 3, 64, 77), ("int4", 32, "channel", 32, 1, 1, 3, 128, 90)]
 
 
 @needs_c

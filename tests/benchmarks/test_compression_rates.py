@@ -26,9 +26,9 @@ process's read calibration can differ from the next one's by half while the step
 (docs/evidence.md); a ratio target at those roofs holds in some processes and not in others. Priced at
 the reference kernels' own rates, measured in the same rounds, the prediction moves with the machine
 as the steps do, and the check catches what it is for: a compressed step slower than its format's
-kernel would be at the same bytes (the torch backends, 1.4-3x above it here, fail it;
+kernel would be at the same bytes (the torch backends, 1.2-3.3x above it here, fail it;
 test_compression_targets.py times them). Why int4 slots have their own reference: the int4 kernel is
-bound by instructions, not bytes (it reads ~6x fewer bytes than the fp32 kernel at ~2.5x its speed per
+bound by instructions, not bytes (it reads ~6x fewer bytes than the fp32 kernel at 2.4-3.2x its speed per
 token here); that is the quantized kernel's limit, printed as its byte rate beside the exact kernel's,
 and test_quantized_targets.py's target. A member that cannot run on this CPU skips the point; a run
 where other processes took more than 5% of the CPUs is inconclusive and skips.

@@ -155,10 +155,14 @@ static inline void from_int4(const uint8_t *p, vec table, vec x[2]) { /* 16 byte
     x[0] = _mm512_permutexvar_ps(bytes, table); /* the index's low 4 bits: the low nibble */
     x[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
-/* dst[h * stride + r] = lane h * R + r, R = 16 / H. */
+/* dst[h * stride + r] = lane h * R + r, R = 16 / H (H = 3: R = 5, lane 15 unused). */
 static inline void store_tile(int heads, vec v, float *dst, int64_t stride) {
     if (heads == 1) {
         store_vec(dst, v);
+    } else if (heads == 3) {
+        float lanes[LANES];
+        store_vec(lanes, v);
+        for (int h = 0; h < 3; h++) memcpy(dst + h * stride, lanes + 5 * h, 5 * sizeof(float));
     } else if (heads == 2) {
         _mm256_storeu_ps(dst, _mm512_castps512_ps256(v));
         _mm256_storeu_ps(dst + stride, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -200,6 +204,10 @@ static inline void store_tile(int heads, vec v, float *dst, int64_t stride) {
 }
 #endif
 #define MAX_ACCUMULATORS (VECTOR_REGISTERS / 2) /* value accumulators held in registers */
+/* Key tiles of 3 query heads x 5 rows (GQA groups of 3, 9, ...: SmolLM2's 9 heads over 3): each row
+ * decoded once for the group instead of once per head. At 16 lanes only: at 8 a tile of 3 heads would
+ * hold 2 rows. */
+#define THREE_HEAD_TILES (LANES == 16)
 
 /* The chunk of channels c0 .. c0 + CH - 1 of one row as two vectors (int4: its even channels, then its
  * odd ones; `table` from int4_table). int8 and fp8 unscaled (fp8: the value / 256); f32: a window row. */
@@ -234,8 +242,9 @@ static inline __attribute__((always_inline)) void prefetch_ahead(Rows rows, int6
     }
 }
 
-/* scores[h][r] = q[h] . x_(first + r) for rows first .. first + n - 1 (n <= LANES / heads) and the
- * `heads` query rows of q (stride dim). Rows past n repeat the last one (their lanes are not read). */
+/* scores[h][r] = q[h] . x_(first + r) for rows first .. first + n - 1 (n <= LANES / heads, rounded
+ * down) and the `heads` query rows of q (stride dim). Rows past n repeat the last one (their lanes are
+ * not read); with 3 heads the 16th accumulator stays 0. */
 static inline __attribute__((always_inline)) void dot_tile(int format, int heads, int scaled, Rows rows,
                                                            int64_t first, int64_t n, const float *q,
                                                            int64_t dim, int prefetch, float *scores) {
@@ -284,6 +293,8 @@ static void scores_block(int format, int scaled, Rows rows, int64_t first, int64
     do {                                                                                            \
         if (group % 4 == 0) dot_rows(FORMAT, 4, SCALED, rows, first, n, q, group, dim, scores);     \
         else if (group % 2 == 0) dot_rows(FORMAT, 2, SCALED, rows, first, n, q, group, dim, scores); \
+        else if (THREE_HEAD_TILES && group % 3 == 0)                                                \
+            dot_rows(FORMAT, 3, SCALED, rows, first, n, q, group, dim, scores);                     \
         else dot_rows(FORMAT, 1, SCALED, rows, first, n, q, group, dim, scores);                    \
     } while (0)
     if (format == FORMAT_INT8) DOT(FORMAT_INT8, 0);
@@ -338,7 +349,7 @@ static inline __attribute__((always_inline)) void values_heads(int format, int h
         values_slice(format, heads, chunks, rows, first, n, c0, c0 == 0 && acc == top && format != FORMAT_F32, p, acc);
 }
 
-/* acc[g][:] += sum_j p[g][j] * x_(first + j), j < n: heads in groups of a power of two, chunks per slice
+/* acc[g][:] += sum_j p[g][j] * x_(first + j), j < n: heads in groups of a power of two or 3, chunks per slice
  * as many as the accumulators allow and the head width divides into. */
 static void values_block(int format, Rows rows, int64_t first, int64_t n, int64_t group, int64_t dim,
                          float p[][SROW], float acc[][MAX_DIM]) {
@@ -360,6 +371,7 @@ static void values_block(int format, Rows rows, int64_t first, int64_t n, int64_
         if (MAX_ACCUMULATORS >= 16 && group % 8 == 0) SLICES(FORMAT, (MAX_ACCUMULATORS >= 16 ? 8 : 4)); \
         else if (group % 4 == 0) SLICES(FORMAT, 4);                                                    \
         else if (group % 2 == 0) SLICES(FORMAT, 2);                                                    \
+        else if (group % 3 == 0) SLICES(FORMAT, 3);                                                    \
         else SLICES(FORMAT, 1);                                                                        \
     } while (0)
     if (format == FORMAT_INT8) HEADS_OF(FORMAT_INT8);
