@@ -53,14 +53,16 @@ DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 ROUNDS = 15
 EXACT, FIXED = "contiguous", "contiguous@1"  # the exact cache at the point's context, and holding one token
 LIMIT = 1.1  # a member's measured ratio may exceed its predicted one by 10%
-# The exact-position cache of each slot format a member stores ('' for fp32), at the point's context.
-REFERENCES = {"": EXACT, "int4": "quantized_int4"}
 
 
-def reference_of(strategy) -> str:
-    """The reference member whose kernel reads `strategy`'s slot format: an evicting cache's per-token
-    format (its `format` option), else fp32's."""
-    return REFERENCES[strategy.format if isinstance(strategy, EvictionStrategy) else ""]
+def reference_of(strategy) -> tuple[str, object]:
+    """The exact-position cache whose kernel reads `strategy`'s slots, and its member name: for an
+    evicting cache of a per-token format, the quantized cache of that format and group size (the same
+    kernel code); else the exact cache."""
+    if isinstance(strategy, EvictionStrategy) and strategy.format:
+        return (f"quantized_{strategy.format}",
+                QuantizedStrategy(format=strategy.format, group_size=strategy.group_size))
+    return EXACT, ContiguousStrategy()
 
 
 def attention_bytes(point: BenchPoint, strategy, ctx: int) -> float:
@@ -95,9 +97,10 @@ def found(request, model_for):
     the exact step, and the point's name."""
     point = TARGET_POINTS[request.param]
     model = model_for(point.shape, point.batch)
-    members = {EXACT: (ContiguousStrategy(), point.ctx), FIXED: (ContiguousStrategy(), 1),
-               REFERENCES["int4"]: (QuantizedStrategy(format="int4", group_size=32), point.ctx)}
-    members.update({f"{name}/c": (make("c"), point.ctx) for name, make in COMPRESSED.items()})
+    compressed = {f"{name}/c": make("c") for name, make in COMPRESSED.items()}
+    references = {EXACT: ContiguousStrategy(), **dict(reference_of(strategy) for strategy in compressed.values())}
+    members = {FIXED: (ContiguousStrategy(), 1),
+               **{name: (strategy, point.ctx) for name, strategy in {**references, **compressed}.items()}}
     steps = {}
     for name, (strategy, ctx) in members.items():
         try:
@@ -115,14 +118,12 @@ def found(request, model_for):
     others = "unread" if rounds.contention is None else f"{rounds.contention:.0%}"
     print(f"\n{point.name} B={point.batch} ctx={point.ctx}, others took {others} of the CPUs: contiguous "
           f"{exact_s * 1e3:.2f} ms, at one token {ratios[FIXED]:.3f}x")
-    for reference in REFERENCES.values():
+    for reference in references:
         rate = (nbytes[reference] - nbytes[FIXED]) / ((ratios[reference] - ratios[FIXED]) * exact_s)
         print(f"{reference:16s} {ratios[reference]:5.3f}x contiguous; its kernel reads {rate / 1e9:5.1f} GB/s of cache")
     result = {}
-    for name, (strategy, _) in members.items():
-        if name in (FIXED, *REFERENCES.values()):
-            continue
-        reference = reference_of(strategy)
+    for name, strategy in compressed.items():
+        reference, _ = reference_of(strategy)
         result[name] = (ratios[name], predicted_ratio(ratios[FIXED], nbytes[name], nbytes[FIXED], ratios[reference],
                                                       nbytes[reference]))
         print(f"{name:16s} {result[name][0]:5.3f}x contiguous (predicted {result[name][1]:5.3f}x at {reference}'s "
