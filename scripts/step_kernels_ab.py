@@ -5,9 +5,11 @@ Variants (same seeded weights): `onednn` (matmul=onednn: packed linears, torch's
 each decoder block two C calls, harness.model.cpu_gemv.GemvBlock). With `--against DIR`, also
 `against:c_block`: matmul=c and `contiguous` as another checkout of the project builds them (an
 earlier revision: `git worktree add --detach /tmp/before REV`), imported into this process beside this
-checkout's. One step of each in turn (harness.measure.rounds, the order rotating), every step at
-position ctx (the session is rewound outside the timed call), medians and each variant's paired ratio
-to `onednn` printed with whether all pick the same next tokens.
+checkout's (a checkout from before the kernels became one torch extension, as docs/performance.md's
+figures used: a later one registers the same operators, and the script refuses it). One step of each
+in turn (harness.measure.rounds, the order rotating), every step at position ctx (the session is
+rewound outside the timed call), medians and each variant's paired ratio to `onednn` printed with
+whether all pick the same next tokens.
 
 Before the steps, the cost of one kernel call from Python: the C linear on a 1 x 16 input and a
 16 x 16 weight (no work to speak of), in loops of `--calls` calls, this checkout's and, with
@@ -104,6 +106,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="kernel calls per round of the call-cost loop")
     parser.add_argument("--against", type=Path, help="another checkout whose matmul=c step to time beside this one's")
     args = parser.parse_args()
+    if args.against is not None and (args.against / "harness" / "kernels" / "csrc" / "ops.cpp").exists():
+        # Its extension registers the operator namespace this checkout's does, and torch aborts the
+        # process on a second registration: only checkouts from before the extension (ctypes) load here.
+        sys.exit(f"--against: {args.against} builds the kernels as a torch extension, whose operators would "
+                 "collide with this checkout's in one process; time its steps in alternating processes, or its "
+                 "kernels with scripts/kernels_ab.py --against REV")
     if cpu_gemv.unavailable():
         sys.exit(f"the C kernels cannot run here: {cpu_gemv.unavailable()}")
     shape = ModelConfig(**yaml.safe_load((config_dir() / "model" / f"{args.model}.yaml").read_text()))
