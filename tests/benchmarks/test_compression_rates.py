@@ -8,8 +8,9 @@ not the method. At each point past the crossover (batch 16: `heavy`, tests/bench
 ctx 1280, the kv_compression preset's long point), one set of rounds times:
 - `contiguous`, the exact cache holding the point's context: the denominator of every ratio, and the
   reference of fp32 slots (the evicting variants, `think`);
-- `quantized_int4`, the int4 cache (per-token scales, groups of 32: snapkv_int4's format, read by the
-  same quantized kernel code) holding the point's context: the reference of int4 slots;
+- `quantized_int4`, the int4 cache of `snapkv_int4`'s own format and group size (per-token scales in
+  groups of 32; the same quantized kernel code reads both) holding the point's context: the reference
+  of int4 slots (reference_of);
 - `contiguous@1`, the exact cache holding one token: the step's matmuls and everything else a step does
   besides reading a cache (norms, RoPE, the output head, the Python around the kernels), its fixed part;
 - every evicting variant at its shipped budget, `snapkv_int4` and `think`, each on its C kernel.
