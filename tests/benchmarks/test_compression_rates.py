@@ -39,19 +39,15 @@ Run: `python -m pytest -m benchmark tests/benchmarks/test_compression_rates.py -
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.analysis import analytic
-from harness.measure.rounds import RoundsOptions, time_rounds
-from strategies import StrategyUnavailable
 from strategies.caches.contiguous import ContiguousStrategy
 from strategies.caches.eviction import EvictionStrategy
 from strategies.caches.quantized import QuantizedStrategy
-from tests.benchmarks.conftest import DTYPE, BenchPoint, filled_session
-from tests.benchmarks.test_compression_targets import COMPRESSED, CONTENTION_LIMIT, TARGET_POINTS
+from tests.benchmarks.conftest import DTYPE, BenchPoint
+from tests.benchmarks.test_compression_targets import COMPRESSED, TARGET_POINTS, timed_members
 
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
-ROUNDS = 15
 EXACT, FIXED = "contiguous", "contiguous@1"  # the exact cache at the point's context, and holding one token
 LIMIT = 1.1  # a member's measured ratio may exceed its predicted one by 10%
 
@@ -102,17 +98,7 @@ def found(request, model_for):
     references = {EXACT: ContiguousStrategy(), **dict(reference_of(strategy) for strategy in compressed.values())}
     members = {FIXED: (ContiguousStrategy(), 1),
                **{name: (strategy, point.ctx) for name, strategy in {**references, **compressed}.items()}}
-    steps = {}
-    for name, (strategy, ctx) in members.items():
-        try:
-            strategy.kernel(torch.device("cpu"), DTYPE, point.shape)
-        except StrategyUnavailable as unavailable:
-            pytest.skip(f"{name} cannot run on this CPU: {unavailable}")
-        session, token = filled_session(strategy, model, point.batch, ctx, ROUNDS + 2)
-        steps[name] = lambda s=session, t=token: s.step(t)
-    rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS, reference=EXACT))
-    if rounds.contention is not None and rounds.contention > CONTENTION_LIMIT:
-        pytest.skip(f"inconclusive: other processes took {rounds.contention:.0%} of the CPUs during the rounds")
+    rounds = timed_members(point, model, members, reference=EXACT)
     ratios = {EXACT: 1.0, **{name: interval.median for name, interval in rounds.ratios().items()}}
     nbytes = {name: attention_bytes(point, strategy, ctx) for name, (strategy, ctx) in members.items()}
     exact_s = rounds.median(EXACT).median

@@ -78,6 +78,24 @@ def predicted_ratio(point: BenchPoint, strategy, roof: analytic.Roof) -> float:
 CONTENTION_LIMIT = 0.05  # others took more of the CPUs during the rounds: inconclusive, as in harness.bench.gate
 
 
+def timed_members(point: BenchPoint, model, members: dict, reference: str | None = None):
+    """One set of ROUNDS interleaved rounds of each member's decode step, `members` being name ->
+    (strategy, tokens its session holds before the step); the point skips where a member cannot run on
+    this CPU, and is inconclusive (skips) where other processes took more than CONTENTION_LIMIT of the CPUs."""
+    steps = {}
+    for name, (strategy, ctx) in members.items():
+        try:
+            strategy.kernel(torch.device("cpu"), DTYPE, point.shape)
+        except StrategyUnavailable as unavailable:
+            pytest.skip(f"{name} cannot run on this CPU: {unavailable}")
+        session, token = filled_session(strategy, model, point.batch, ctx, ROUNDS + 2)
+        steps[name] = lambda s=session, t=token: s.step(t)
+    rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS, reference=reference))
+    if rounds.contention is not None and rounds.contention > CONTENTION_LIMIT:
+        pytest.skip(f"inconclusive: other processes took {rounds.contention:.0%} of the CPUs during the rounds")
+    return rounds
+
+
 @pytest.fixture(scope="module", params=list(TARGET_POINTS))
 def ratios(request, model_for):
     """At each point: each member's median step over contiguous's, and its predicted ratio, from one set of
@@ -87,17 +105,7 @@ def ratios(request, model_for):
     model = model_for(point.shape, point.batch)
     members = {"contiguous": ContiguousStrategy()}
     members.update({f"{name}/{backend}": make(backend) for name, make in COMPRESSED.items() for backend in BACKENDS})
-    steps = {}
-    for name, strategy in members.items():
-        try:
-            strategy.kernel(torch.device("cpu"), DTYPE, point.shape)
-        except StrategyUnavailable as unavailable:
-            pytest.skip(f"{name} cannot run on this CPU: {unavailable}")
-        session, token = filled_session(strategy, model, point.batch, point.ctx, ROUNDS + 2)
-        steps[name] = lambda s=session, t=token: s.step(t)
-    rounds = time_rounds(steps, RoundsOptions(rounds=ROUNDS))
-    if rounds.contention is not None and rounds.contention > CONTENTION_LIMIT:
-        pytest.skip(f"inconclusive: other processes took {rounds.contention:.0%} of the CPUs during the rounds")
+    rounds = timed_members(point, model, {name: (strategy, point.ctx) for name, strategy in members.items()})
     medians = rounds.medians()
     others = "unread" if rounds.contention is None else f"{rounds.contention:.0%}"
     print(f"\n{point.name} B={point.batch} ctx={point.ctx}, others took {others} of the CPUs; "
